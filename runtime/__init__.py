@@ -1,0 +1,26 @@
+"""How a candidate is *run*: tasks, the C backend, the sandboxed worker pool, the cascade, timing."""
+
+from runtime.executor import EvalRequest, Executor
+from runtime.result import EvalResult, Status, TimingStats
+from runtime.settings import CompilerSettings, EvalSettings, SandboxSettings, TaskSpec, TimingSettings
+from runtime.task import BUILTIN_TASKS, Case, Descriptor, Task, TaskArgs, TaskLoadError, load_task_class
+
+__all__ = [
+    "BUILTIN_TASKS",
+    "Case",
+    "CompilerSettings",
+    "Descriptor",
+    "EvalRequest",
+    "EvalResult",
+    "EvalSettings",
+    "Executor",
+    "SandboxSettings",
+    "Status",
+    "Task",
+    "TaskArgs",
+    "TaskLoadError",
+    "TaskSpec",
+    "TimingSettings",
+    "TimingStats",
+    "load_task_class",
+]

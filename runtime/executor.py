@@ -1,0 +1,40 @@
+"""The executor seam: submit a candidate, get its result. The local process pool is the default;
+a cluster executor (e.g. Ray) implements the same protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from genome import Genome
+from runtime.result import EvalResult
+from runtime.settings import EvalSettings, TaskSpec
+
+__all__ = ["EvalRequest", "Executor"]
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """Everything a worker needs to evaluate one genome, and nothing secret."""
+
+    key: str  # the candidate id, echoed back with the result
+    genome: Genome
+    task: TaskSpec
+    settings: EvalSettings
+    cache_dir: str  # compile cache (shared by the workers of a run)
+    sys_path: tuple[str, ...] = field(default=())  # extra import paths for a user's task module
+
+
+class Executor(Protocol):
+    def submit(self, request: EvalRequest) -> None:
+        """Queues ``request``; never blocks on the evaluation itself."""
+
+    def next_result(self, timeout: float | None = None) -> tuple[EvalRequest, EvalResult] | None:
+        """The next finished evaluation, or ``None`` if none finished within ``timeout`` seconds."""
+
+    @property
+    def in_flight(self) -> int:
+        """Submitted requests whose results were not yet returned."""
+
+    def close(self) -> None:
+        """Stops all workers (killing their process groups)."""

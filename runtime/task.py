@@ -1,0 +1,155 @@
+"""The task interface: what to compute, how to check it, how to measure it, and what may vary.
+
+A task is a Python class. Built-in tasks are named (``matmul``, ``softmax``); a user's task is
+referenced as ``module:Class`` and only has to subclass :class:`Task`. The runtime calls a task's
+methods inside sandboxed workers, the search calls them in the controller, so a task must be
+importable from both (the run's config directory is put on ``sys.path`` for that).
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from genome import Genome, ParamSpace, render_source
+
+__all__ = ["BUILTIN_TASKS", "Case", "Descriptor", "Task", "TaskArgs", "TaskLoadError", "load_task_class"]
+
+Case = dict[str, int]
+"""The sizes of one problem instance, e.g. ``{"m": 1024, "n": 1024, "k": 1024}``."""
+
+
+class TaskArgs(BaseModel):
+    """Arguments every task accepts; a task extends this with its own (unknown keys are errors)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    threads: int = Field(1, ge=1, description="threads the kernel and the reference may use")
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """A behaviour descriptor a task offers to the archive: a number computed from a genome and its metrics."""
+
+    name: str
+    doc: str
+    fn: Callable[[Genome, Mapping[str, Any]], float]
+    low: float  # a suggested range for a grid archive; a config may override it
+    high: float
+
+
+class Task(abc.ABC):
+    """Base class of every task. Subclasses set the class attributes and implement the abstract methods."""
+
+    name: ClassVar[str]
+    """Short name, used in run summaries and the memory of discoveries."""
+    unit: ClassVar[str]
+    """Unit of the fitness, e.g. ``GFLOP/s``; fitness = ``work(case) / seconds``."""
+    description: ClassVar[str] = ""
+    signature: ClassVar[str]
+    """The C prototype every candidate must define, e.g. ``void kernel(int n, const float *x, float *y)``."""
+    kernel_name: ClassVar[str] = "kernel"
+    backend: ClassVar[str] = "c"
+    Args: ClassVar[type[TaskArgs]] = TaskArgs
+
+    def __init__(self, args: Mapping[str, Any] | None = None) -> None:
+        self.args = self.Args.model_validate(dict(args or {}))
+
+    # --- what may vary --------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def space(self) -> ParamSpace:
+        """The parameter space of the template."""
+
+    @abc.abstractmethod
+    def template(self) -> str:
+        """C source of the parametric kernel; parameters arrive as ``#define``s (see genome.render_defines)."""
+
+    @abc.abstractmethod
+    def seeds(self) -> list[Genome]:
+        """Starting genomes, e.g. a naive kernel (a code genome) and a known-good template point."""
+
+    def render(self, genome: Genome) -> str:
+        """The source to compile for ``genome``: its own source, or else the template, with params defined."""
+        return render_source(genome.params, genome.source if genome.source is not None else self.template())
+
+    # --- how it is checked ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def full_case(self) -> Case:
+        """The configured problem size: checked for correctness, then timed."""
+
+    @abc.abstractmethod
+    def check_cases(self, rng: np.random.Generator) -> list[Case]:
+        """Small and odd-sized cases checked before the full one (fresh ones may be drawn each time)."""
+
+    @abc.abstractmethod
+    def inputs(self, case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """Fresh random inputs for ``case``."""
+
+    @abc.abstractmethod
+    def outputs(self, case: Case) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Shape and dtype of each output buffer; the runtime allocates, guards and poisons them."""
+
+    @abc.abstractmethod
+    def reference(self, case: Case, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        """Computes the expected outputs into ``outputs`` (numpy); also what ``vs_reference`` is timed against."""
+
+    @abc.abstractmethod
+    def kernel_args(self, case: Case, arrays: Mapping[str, np.ndarray]) -> list[Any]:
+        """The C call's arguments in order: ints, floats, and arrays (inputs and outputs by name)."""
+
+    def tolerance(self, case: Case) -> tuple[float, float]:
+        """``(rtol, atol)``: an element passes when ``|out - ref| <= atol + rtol * |ref|``."""
+        return (1e-4, 1e-5)
+
+    # --- how it is measured ---------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def work(self, case: Case) -> float:
+        """Work of one call in the numerator of ``unit`` (e.g. GFLOP for GFLOP/s)."""
+
+    def descriptors(self) -> dict[str, Descriptor]:
+        """Descriptors this task offers; the config picks which ones span the archive."""
+        return {
+            "source_lines": Descriptor(
+                "source_lines",
+                "lines of the rendered source (how much code the kernel is)",
+                lambda g, m: float(self.render(g).count("\n") + 1),
+                0.0,
+                400.0,
+            ),
+        }
+
+
+class TaskLoadError(ValueError):
+    """A task name or ``module:Class`` reference that cannot be loaded."""
+
+
+BUILTIN_TASKS: dict[str, str] = {
+    "matmul": "runtime.tasks.matmul:Matmul",
+    "softmax": "runtime.tasks.softmax:Softmax",
+}
+
+
+def load_task_class(ref: str) -> type[Task]:
+    """Resolves a built-in task name or a ``module:Class`` reference to a :class:`Task` subclass."""
+    target = BUILTIN_TASKS.get(ref, ref)
+    if ":" not in target:
+        known = ", ".join(sorted(BUILTIN_TASKS))
+        raise TaskLoadError(f"unknown task {ref!r}: use a built-in task ({known}) or 'module:Class'")
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise TaskLoadError(f"cannot import module {module_name!r} for task {ref!r}: {exc}") from None
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TaskLoadError(f"{target!r} is not a subclass of runtime.Task")
+    return cls
