@@ -75,6 +75,10 @@ class Task(abc.ABC):
     def seeds(self) -> list[Genome]:
         """Starting genomes, e.g. a naive kernel (a code genome) and a known-good template point."""
 
+    def compile_flags(self) -> list[str]:
+        """Flags this task adds to the configured ones (e.g. ``-fopenmp`` when ``threads > 1``)."""
+        return []
+
     def render(self, genome: Genome) -> str:
         """The source to compile for ``genome``: its own source, or else the template, with params defined."""
         return render_source(genome.params, genome.source if genome.source is not None else self.template())
