@@ -1,0 +1,245 @@
+"""The ``evo`` command line: run a search, query its archive."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+
+from evo.config import RunConfig, load_config
+from evo.errors import UserError
+from evo.rundir import RunDir, build_archive
+
+__all__ = ["main"]
+
+log = logging.getLogger("evo")
+
+
+def _configure_logging(log_file: Path | None) -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    if log_file is not None:
+        handler = logging.FileHandler(log_file)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="evoforge")
+def cli() -> None:
+    """evoforge: evolve faster kernels, keep the elites, query them."""
+
+
+def _with_overrides(config: RunConfig, **kw: Any) -> RunConfig:
+    budget = {k: v for k, v in (("max_evals", kw["max_evals"]), ("max_time", kw["max_time"])) if v is not None}
+    search = {k: v for k, v in (("workers", kw["workers"]), ("seed", kw["seed"])) if v is not None}
+    return config.model_copy(update={
+        "budget": config.budget.model_copy(update=budget),
+        "search": config.search.model_copy(update=search),
+    })
+
+
+@cli.command()
+@click.argument("config_path", metavar="CONFIG", type=click.Path(path_type=Path))
+@click.option("--run-dir", type=click.Path(path_type=Path), help="where the run lives [default: runs/<config name>]")
+@click.option("--max-evals", type=click.IntRange(min=1), help="stop after this many evaluations in total")
+@click.option("--max-time", type=click.FloatRange(min=0, min_open=True), help="stop after this many seconds")
+@click.option("--workers", type=click.IntRange(min=1), help="evaluation workers [default: cores]")
+@click.option("--seed", type=int, help="run seed (not with --resume)")
+@click.option("--resume", is_flag=True, help="continue the run in the run dir from where it stopped")
+def run(config_path: Path, run_dir: Path | None, resume: bool, **overrides: Any) -> None:
+    """Run the search described by CONFIG (a YAML file)."""
+    from runtime.backends.c import CompilerNotFound, compiler_version
+
+    from evo.reporting import RichReporter
+    from evo.search import Search
+
+    config = load_config(config_path)
+    path = run_dir or Path("runs") / (config.name or config_path.stem)
+    if resume:
+        if overrides["seed"] is not None:
+            raise UserError("--seed cannot change on --resume: a run keeps its seed (drop --seed)")
+        rd = RunDir.open(path)
+        frozen = rd.frozen_config()
+        if frozen.model_dump(exclude={"budget", "search"}) != config.model_dump(exclude={"budget", "search"}):
+            click.echo(f"note: {config_path} differs from the config stored in {path}; the stored one is used "
+                       "(only the budget and workers may change on --resume)", err=True)
+        # a resumed run keeps its frozen config; budget and workers may be extended
+        search = frozen.search.model_copy(update={"workers": config.search.workers})
+        frozen = frozen.model_copy(update={"budget": config.budget, "search": search})
+        config = _with_overrides(frozen, **overrides)
+    else:
+        config = _with_overrides(config, **overrides)
+        rd = RunDir.create(path, config)
+    _configure_logging(rd.log_dir / "run.log")
+    try:
+        compiler_version(config.evaluation.compiler.cc)
+    except CompilerNotFound as exc:
+        raise UserError(str(exc)) from None
+    task = config.make_task()
+    search = Search(config, rd, reporter=RichReporter(unit=task.unit))
+    try:
+        search.run()
+    except KeyboardInterrupt:
+        click.echo(f"interrupted: every finished evaluation is stored; continue with "
+                   f"evo run {config_path} --run-dir {path} --resume", err=True)
+        sys.exit(130)
+    finally:
+        rd.close()
+
+
+@cli.group()
+def archive() -> None:
+    """Query a run's archive (every candidate, its elites, their lineage)."""
+
+
+def _open(run_dir: Path) -> RunDir:
+    return RunDir.open(run_dir, readonly=True)
+
+
+def _row(c: Any) -> dict[str, Any]:
+    d = c.to_dict()
+    return {k: d.get(k) for k in ("id", "status", "fitness", "unit", "metrics", "params", "descriptors",
+                                  "operator", "parents", "error", "timings", "created_at", "evaluated_at")}
+
+
+@archive.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--top", "top", default=10, show_default=True, type=click.IntRange(min=1), help="how many")
+@click.option("--json", "as_json", is_flag=True, help="print JSON (a list of objects)")
+def best(run_dir: Path, top: int, as_json: bool) -> None:
+    """The best ok candidates of a run, fittest first."""
+    rd = _open(run_dir)
+    cands = rd.store.best(top)
+    if as_json:
+        click.echo(json.dumps([_row(c) for c in cands], indent=2))
+        return
+    if not cands:
+        click.echo(f"no ok candidate in {run_dir} yet")
+        return
+    table = Table(title=f"best of {run_dir}")
+    for col in ("#", "id", "fitness", "vs ref", "operator", "params"):
+        table.add_column(col, justify="right" if col in ("#", "fitness", "vs ref") else "left")
+    for i, c in enumerate(cands, 1):
+        vs = c.metrics.get("vs_reference")
+        params = " ".join(f"{k}={v}" for k, v in c.params.items()) or "(code genome)"
+        table.add_row(str(i), c.id[:12], f"{c.fitness:.2f} {c.unit}", f"{vs:.3f}x" if vs else "-", c.operator, params)
+    Console().print(table)
+
+
+def _get(rd: RunDir, cid: str) -> Any:
+    try:
+        cand = rd.store.get(cid)
+    except (KeyError, ValueError) as exc:
+        raise UserError(f"{exc}: give more characters of the id") from None
+    if cand is None:
+        raise UserError(f"no candidate {cid!r} in {rd.path} (list some with: evo archive best {rd.path})")
+    return cand
+
+
+@archive.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("candidate_id", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def show(run_dir: Path, candidate_id: str, as_json: bool) -> None:
+    """One candidate: params, source, metrics and lineage (ID may be a unique prefix)."""
+    rd = _open(run_dir)
+    cand = _get(rd, candidate_id)
+    task = rd.frozen_config().make_task()
+    source = task.render(cand.genome)
+    lineage = [{"id": a.id, "operator": a.operator, "status": a.status, "fitness": a.fitness}
+               for a in rd.store.lineage(cand.id)[1:]]
+    if as_json:
+        click.echo(json.dumps({**_row(cand), "source": source, "lineage": lineage}, indent=2))
+        return
+    con = Console()
+    con.print(f"[bold]{cand.id}[/bold]  {cand.status}  operator={cand.operator}")
+    if cand.fitness is not None:
+        con.print(f"fitness {cand.fitness:.3f} {cand.unit}   vs reference {cand.metrics.get('vs_reference', 0):.3f}x")
+    if cand.error:
+        con.print(f"[red]error:[/red] {cand.error}")
+    con.print("params: " + (json.dumps(cand.params) if cand.params else "(none: code genome)"))
+    con.print("descriptors: " + json.dumps(cand.descriptors))
+    con.print("metrics: " + json.dumps(cand.metrics, default=str))
+    con.print("lineage: " + (" <- ".join(f"{a['id'][:12]} ({a['operator']}, {a['fitness'] or a['status']})"
+                                         for a in lineage) or "(initial population)"))
+    con.print(Syntax(source, "c", line_numbers=False))
+
+
+@archive.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("candidate_id", metavar="ID")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="file to write")
+def export(run_dir: Path, candidate_id: str, output: Path) -> None:
+    """Write a candidate's rendered, compilable source to a file."""
+    rd = _open(run_dir)
+    cand = _get(rd, candidate_id)
+    task = rd.frozen_config().make_task()
+    output.write_text(task.render(cand.genome))
+    click.echo(f"wrote {output} ({task.signature})")
+
+
+@archive.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def stats(run_dir: Path, as_json: bool) -> None:
+    """QD metrics and counts by status and by operator."""
+    rd = _open(run_dir)
+    config = rd.frozen_config()
+    task = config.make_task()
+    arch = build_archive(config, task, rd.store)
+    names = config.archive.descriptors
+    for c in rd.store.evaluated():
+        if c.status == "ok" and c.fitness is not None:
+            arch.add(c.id, c.fitness, [c.descriptors[n] for n in names])
+    qd = arch.stats(qd_offset=config.archive.qd_offset)
+    out = {
+        "candidates": rd.store.count(),
+        "by_status": rd.store.counts_by_status(),
+        "by_operator": rd.store.counts_by_operator(),
+        "archive": {"kind": config.archive.kind, "descriptors": names, "cells": qd.cells, "filled": qd.filled,
+                    "coverage": qd.coverage, "qd_score": qd.qd_score, "qd_offset": config.archive.qd_offset,
+                    "best": qd.best, "mean": qd.mean},
+        "unit": task.unit,
+    }
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+        return
+    con = Console()
+    con.print(f"[bold]{run_dir}[/bold]: {out['candidates']} candidates")
+    con.print("by status:   " + ", ".join(f"{k} {v}" for k, v in sorted(out["by_status"].items())))
+    con.print("by operator: " + ", ".join(f"{k} {v}" for k, v in sorted(out["by_operator"].items())))
+    a = out["archive"]
+    con.print(f"archive ({a['kind']} over {', '.join(names)}): {a['filled']}/{a['cells']} cells, "
+              f"coverage {a['coverage']:.1%}, QD-score {a['qd_score']:.1f} (offset {a['qd_offset']:g}), "
+              f"best {a['best'] or 0:.2f} {task.unit}, mean elite {a['mean'] or 0:.2f} {task.unit}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: user errors end in one line and exit 2; internal errors exit 1 with the traceback logged."""
+    try:
+        cli.main(args=argv, prog_name="evo", standalone_mode=False)
+    except UserError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        click.echo(f"error: {exc.format_message()} (see evo --help)", err=True)
+        sys.exit(exc.exit_code)
+    except Exception:
+        log.exception("internal error")
+        import traceback
+
+        traceback.print_exc()
+        click.echo("internal error: the traceback is above; please report it", err=True)
+        sys.exit(1)
+    sys.exit(0)

@@ -1,0 +1,17 @@
+"""Variation operators: one protocol, one small module per family."""
+
+from evo.operators._base import Operator, ProposalContext
+from evo.operators.classical import Crossover, Mutate, RandomSample
+from evo.operators.codec import GeneCodec, seeded_random
+
+__all__ = ["Crossover", "GeneCodec", "Mutate", "Operator", "ProposalContext", "RandomSample", "seeded_random"]
+
+
+def build_operators(config) -> dict[str, Operator]:  # noqa: ANN001 - evo.config.OperatorsConfig
+    """The operators named in ``config.weights`` with a positive weight."""
+    available: dict[str, Operator] = {
+        "mutate": Mutate(config),
+        "crossover": Crossover(config),
+        "random": RandomSample(),
+    }
+    return {name: available[name] for name, w in config.weights.items() if w > 0}

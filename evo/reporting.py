@@ -1,0 +1,105 @@
+"""Progress while a run goes on, and the summary at its end."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from runtime import EvalResult, Status
+
+if TYPE_CHECKING:
+    from evo.search import RunSummary
+
+__all__ = ["Reporter", "RichReporter", "SilentReporter"]
+
+
+class Reporter(Protocol):
+    def start(self, *, total: int | None, done: int, workers: int) -> None: ...
+    def update(self, *, result: EvalResult, add_status: Any, best: float | None, qd: dict[str, float]) -> None: ...
+    def note(self, message: str) -> None: ...
+    def finish(self, summary: RunSummary) -> None: ...
+
+
+class SilentReporter:
+    def start(self, *, total: int | None, done: int, workers: int) -> None:
+        pass
+
+    def update(self, *, result: EvalResult, add_status: Any, best: float | None, qd: dict[str, float]) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        pass
+
+    def finish(self, summary: RunSummary) -> None:
+        pass
+
+
+class RichReporter:
+    """A live bar: evaluations, best fitness, coverage, evals/s and failures by status."""
+
+    def __init__(self, *, unit: str, console: Console | None = None) -> None:
+        self.unit = unit
+        self.console = console or Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("[bold]evaluating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[stats]}"),
+            console=self.console,
+            transient=False,
+        )
+        self.failures: Counter[str] = Counter()
+        self._task_id: Any = None
+        self._t0 = 0.0
+        self._session = 0
+
+    def start(self, *, total: int | None, done: int, workers: int) -> None:
+        self._t0 = time.monotonic()
+        self.progress.start()
+        self._task_id = self.progress.add_task("run", total=total, completed=done, stats="")
+        if done:
+            self.note(f"resuming: {done} evaluations already committed")
+
+    def update(self, *, result: EvalResult, add_status: Any, best: float | None, qd: dict[str, float]) -> None:
+        self._session += 1
+        if result.status != Status.OK:
+            self.failures[str(result.status)] += 1
+        rate = self._session / max(time.monotonic() - self._t0, 1e-9)
+        fails = " ".join(f"{k}:{v}" for k, v in sorted(self.failures.items())) or "none"
+        best_s = f"{best:.2f} {self.unit}" if best is not None else "-"
+        stats = f"best {best_s} | coverage {qd['coverage']:.0%} | {rate:.2f} eval/s | failed {fails}"
+        self.progress.update(self._task_id, advance=1, stats=stats)
+
+    def note(self, message: str) -> None:
+        self.progress.console.print(message)
+
+    def finish(self, summary: RunSummary) -> None:
+        self.progress.stop()
+        out = Console()
+        table = Table(title=f"evoforge run: {summary.run_dir}", show_header=False)
+        table.add_column(style="bold")
+        table.add_column()
+        table.add_row("stopped", summary.stopped)
+        table.add_row("evaluations", f"{summary.evaluations} ({summary.this_session} this session, "
+                                      f"{summary.elapsed:.0f} s)")
+        table.add_row("statuses", ", ".join(f"{k} {v}" for k, v in sorted(summary.counts.items())))
+        table.add_row("archive", f"{summary.qd['filled']:.0f} cells filled, coverage {summary.qd['coverage']:.0%}, "
+                                 f"QD-score {summary.qd['qd_score']:.1f}")
+        best = summary.best
+        if best is not None:
+            vs = best.metrics.get("vs_reference")
+            table.add_row("best kernel", best.id[:12])
+            table.add_row("fitness", f"{best.fitness:.2f} {best.unit}")
+            table.add_row("vs reference", f"{vs:.3f}x" if vs is not None else "-")
+            table.add_row("params", ", ".join(f"{k}={v}" for k, v in best.params.items()) or "(code genome)")
+        else:
+            table.add_row("best kernel", "none: no candidate passed its checks")
+        table.add_row("stored in", str(summary.run_dir / "archive.db"))
+        table.add_row("next", f"evo archive best {summary.run_dir} --top 5")
+        out.print(table)

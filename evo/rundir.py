@@ -1,0 +1,90 @@
+"""A run directory holds everything of a run: ``archive.db`` (with the frozen config), the compile
+cache and logs. A run can be resumed from its directory alone."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import yaml
+
+from archive import CVTArchive, GridArchive, Store
+from evo.config import RunConfig, dump_config, parse_config
+from evo.errors import UserError
+from runtime import Task
+
+__all__ = ["RunDir", "build_archive"]
+
+DB_NAME = "archive.db"
+
+
+class RunDir:
+    def __init__(self, path: Path, store: Store) -> None:
+        self.path = path
+        self.store = store
+        self.cache_dir = path / "cache"
+        self.log_dir = path / "logs"
+        self.cache_dir.mkdir(exist_ok=True)
+        self.log_dir.mkdir(exist_ok=True)
+
+    @classmethod
+    def create(cls, path: Path, config: RunConfig) -> RunDir:
+        if (path / DB_NAME).exists():
+            raise UserError(
+                f"{path} already holds a run: pass --resume to continue it, or --run-dir to start a new one"
+            )
+        path.mkdir(parents=True, exist_ok=True)
+        store = Store(path / DB_NAME)
+        text = dump_config(config)
+        store.set_meta("config", text)
+        store.set_meta("sys_path", json.dumps([p for p in sys.path if p]))
+        (path / "config.yaml").write_text(text)
+        return cls(path, store)
+
+    @classmethod
+    def open(cls, path: Path, *, readonly: bool = False) -> RunDir:
+        if not (path / DB_NAME).is_file():
+            raise UserError(f"no run in {path} (expected {path / DB_NAME}): check the path, or start one with evo run")
+        return cls(path, Store(path / DB_NAME, readonly=readonly))
+
+    def frozen_config(self) -> RunConfig:
+        """The config the run was started with (its user task module path restored onto sys.path)."""
+        for p in json.loads(self.store.get_meta("sys_path") or "[]"):
+            if p not in sys.path:
+                sys.path.append(p)
+        text = self.store.get_meta("config")
+        if text is None:
+            raise UserError(f"{self.path / DB_NAME} has no stored config: it was not written by evo run")
+        return parse_config(yaml.safe_load(text), source=f"{self.path / DB_NAME} (stored config)")
+
+    def make_pool(self, workers: int):  # noqa: ANN201 - runtime.pool.LocalPool
+        from runtime.pool import LocalPool
+
+        return LocalPool(workers=workers, log_dir=self.log_dir)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def build_archive(config: RunConfig, task: Task, store: Store) -> GridArchive | CVTArchive:
+    """The run's archive: restored from its stored layout, or created from the config and stored.
+
+    The layout (ranges, bins, CVT centroids) is fixed when the run starts and never shifts.
+    """
+    stored = store.get_meta("archive_layout")
+    if stored is not None:
+        layout = json.loads(stored)
+        return (CVTArchive if layout.get("kind") == "cvt" else GridArchive).from_layout(layout)
+    a = config.archive
+    offered = task.descriptors()
+    ranges = a.ranges or [(offered[n].low, offered[n].high) for n in a.descriptors]
+    archive: GridArchive | CVTArchive
+    if a.kind == "grid":
+        archive = GridArchive(names=a.descriptors, bins=a.bin_list(), ranges=ranges)
+    else:
+        archive = CVTArchive(names=a.descriptors, ranges=ranges, cells=a.cells, seed=config.search.seed)
+    store.set_meta("archive_layout", json.dumps(archive.layout()))
+    logging.getLogger("evo.search").info("archive layout: %s", archive.layout().get("kind"))
+    return archive
