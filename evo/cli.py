@@ -62,6 +62,10 @@ def run(config_path: Path, run_dir: Path | None, resume: bool, **overrides: Any)
     from evo.search import Search
 
     config = load_config(config_path)
+    try:
+        compiler_version(config.evaluation.compiler.cc)
+    except CompilerNotFound as exc:
+        raise UserError(str(exc)) from None
     path = run_dir or Path("runs") / (config.name or config_path.stem)
     if resume:
         if overrides["seed"] is not None:
@@ -79,10 +83,6 @@ def run(config_path: Path, run_dir: Path | None, resume: bool, **overrides: Any)
         config = _with_overrides(config, **overrides)
         rd = RunDir.create(path, config)
     _configure_logging(rd.log_dir / "run.log")
-    try:
-        compiler_version(config.evaluation.compiler.cc)
-    except CompilerNotFound as exc:
-        raise UserError(str(exc)) from None
     task = config.make_task()
     search = Search(config, rd, reporter=RichReporter(unit=task.unit))
     try:

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from evo.errors import UserError
+from genome import ParamSpace, SpaceError, SpaceSpec
 from runtime import EvalSettings, Task, TaskLoadError, TaskSpec, load_task_class
 
 __all__ = [
@@ -127,6 +128,15 @@ class RunConfig(_Model):
     search: SearchConfig = Field(default_factory=SearchConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     archive: ArchiveConfig
+    space: SpaceSpec | None = Field(
+        None, description="replaces the task's parameter space (params and constraints the template understands)"
+    )
+
+    def make_space(self, task: Task) -> ParamSpace:
+        """The space the search explores: the config's override, else the task's own."""
+        if self.space is None:
+            return task.space()
+        return ParamSpace(self.space.params, self.space.constraints)
 
     def make_task(self) -> Task:
         try:
@@ -161,6 +171,10 @@ def parse_config(data: Any, *, source: str, base_dir: Path | None = None) -> Run
         task = config.make_task()
     except UserError as exc:
         raise UserError(f"{source}: {exc}") from None
+    try:
+        config.make_space(task)
+    except SpaceError as exc:
+        raise UserError(f"{source}: space: {exc}") from None
     offered = task.descriptors()
     for name in config.archive.descriptors:
         if name not in offered:

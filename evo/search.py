@@ -61,7 +61,7 @@ class Search:
         self.config = config
         self.run_dir = run_dir
         self.task: Task = config.make_task()
-        self.space = self.task.space()
+        self.space = config.make_space(self.task)
         self.store: Store = run_dir.store
         self.archive = build_archive(config, self.task, self.store)
         self.reporter = reporter or SilentReporter()

@@ -1,0 +1,97 @@
+"""A user's mistake in a config ends in one line naming the file, the key and the fix, with exit code 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+GOOD = {
+    "task": {"name": "matmul", "args": {"m": 64, "n": 64, "k": 64}},
+    "archive": {"descriptors": ["register_tile_area"]},
+}
+
+
+def evo(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "evo", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+
+
+def write(tmp_path: Path, data) -> Path:
+    p = tmp_path / "job.yaml"
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return p
+
+
+def merged(**patch):
+    out = yaml.safe_load(yaml.safe_dump(GOOD))
+    for dotted, value in patch.items():
+        node = out
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (merged(search__wrokers=2), "search.wrokers: unknown key"),
+        (merged(budget__max_evals="many"), "budget.max_evals: Input should be a valid integer"),
+        (merged(task__args__m=-3), "task.args.m"),
+        (merged(task__args__size=3), "task.args.size: unknown key"),
+        (merged(space={"params": {"MR": [4, 8]}, "constraints": ["MR %% 2"]}), "space.constraints"),
+        (merged(space={"params": {"MR": [4, 8]}, "constraints": ["__import__('os')"]}), "not allowed"),
+        (merged(archive__descriptors=["colour"]), "archive.descriptors: 'colour' is not offered"),
+        (merged(task__name="nosuchtask"), "task.name: unknown task 'nosuchtask'"),
+        (merged(archive__bins=[2, 3]), "bins has 2 entries for 1 descriptors"),
+        ("task: [unclosed", "not valid YAML at line 1"),
+        ("- a list\n", "expected a mapping"),
+    ],
+)
+def test_config_errors_are_one_line_with_exit_code_2(tmp_path, data, expected):
+    cfg = write(tmp_path, data)
+    proc = evo("run", str(cfg), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: {cfg}") or lines[0].startswith("error: ")
+    assert expected in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_config_file(tmp_path):
+    proc = evo("run", "nope.yaml", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: config file not found: nope.yaml (check the path; ready configs are in configs/)"
+
+
+def test_missing_compiler_is_one_clear_line(tmp_path):
+    cfg = write(tmp_path, merged(evaluation={"compiler": {"cc": "no-such-cc-xyz"}}))
+    proc = evo("run", str(cfg), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no-such-cc-xyz" in lines[0], proc.stderr
+
+
+def test_archive_commands_on_a_missing_run(tmp_path):
+    proc = evo("archive", "best", str(tmp_path / "nowhere"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "no run in" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_usage_errors_exit_2(tmp_path):
+    proc = evo("run", cwd=tmp_path)
+    assert proc.returncode == 2
+    proc = evo("archive", "best", str(tmp_path), "--top", "0", cwd=tmp_path)
+    assert proc.returncode == 2
+
+
+def test_ready_configs_validate():
+    from evo.config import load_config
+
+    for path in sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml")):
+        config = load_config(path)
+        assert config.make_task().space() is not None
