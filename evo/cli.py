@@ -15,7 +15,8 @@ from rich.table import Table
 
 from evo.config import RunConfig, load_config
 from evo.errors import UserError
-from evo.rundir import RunDir, build_archive
+from archive import rebuild_archive
+from evo.rundir import RunDir
 
 __all__ = ["main"]
 
@@ -137,8 +138,8 @@ def best(run_dir: Path, top: int, as_json: bool) -> None:
 def _get(rd: RunDir, cid: str) -> Any:
     try:
         cand = rd.store.get(cid)
-    except (KeyError, ValueError) as exc:
-        raise UserError(f"{exc}: give more characters of the id") from None
+    except KeyError as exc:
+        raise UserError(str(exc.args[0] if exc.args else exc)) from None
     if cand is None:
         raise UserError(f"no candidate {cid!r} in {rd.path} (list some with: evo archive best {rd.path})")
     return cand
@@ -194,11 +195,8 @@ def stats(run_dir: Path, as_json: bool) -> None:
     rd = _open(run_dir)
     config = rd.frozen_config()
     task = config.make_task()
-    arch = build_archive(config, task, rd.store)
     names = config.archive.descriptors
-    for c in rd.store.evaluated():
-        if c.status == "ok" and c.fitness is not None:
-            arch.add(c.id, c.fitness, [c.descriptors[n] for n in names])
+    arch = rebuild_archive(rd.store)
     qd = arch.stats(qd_offset=config.archive.qd_offset)
     out = {
         "candidates": rd.store.count(),

@@ -4,13 +4,12 @@ cache and logs. A run can be resumed from its directory alone."""
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
 import yaml
 
-from archive import CVTArchive, GridArchive, Store
+from archive import LAYOUT_KEY, Archive, CVTArchive, GridArchive, Store, StoreError, load_archive, save_layout
 from evo.config import RunConfig, dump_config, parse_config
 from evo.errors import UserError
 from runtime import Task
@@ -47,7 +46,11 @@ class RunDir:
     def open(cls, path: Path, *, readonly: bool = False) -> RunDir:
         if not (path / DB_NAME).is_file():
             raise UserError(f"no run in {path} (expected {path / DB_NAME}): check the path, or start one with evo run")
-        return cls(path, Store(path / DB_NAME, readonly=readonly))
+        try:
+            store = Store(path / DB_NAME, readonly=readonly)
+        except StoreError as exc:
+            raise UserError(str(exc)) from None
+        return cls(path, store)
 
     def frozen_config(self) -> RunConfig:
         """The config the run was started with (its user task module path restored onto sys.path)."""
@@ -68,15 +71,13 @@ class RunDir:
         self.store.close()
 
 
-def build_archive(config: RunConfig, task: Task, store: Store) -> GridArchive | CVTArchive:
+def build_archive(config: RunConfig, task: Task, store: Store) -> Archive:
     """The run's archive: restored from its stored layout, or created from the config and stored.
 
     The layout (ranges, bins, CVT centroids) is fixed when the run starts and never shifts.
     """
-    stored = store.get_meta("archive_layout")
-    if stored is not None:
-        layout = json.loads(stored)
-        return (CVTArchive if layout.get("kind") == "cvt" else GridArchive).from_layout(layout)
+    if store.get_meta(LAYOUT_KEY) is not None:
+        return load_archive(store)
     a = config.archive
     offered = task.descriptors()
     ranges = a.ranges or [(offered[n].low, offered[n].high) for n in a.descriptors]
@@ -85,6 +86,5 @@ def build_archive(config: RunConfig, task: Task, store: Store) -> GridArchive | 
         archive = GridArchive(names=a.descriptors, bins=a.bin_list(), ranges=ranges)
     else:
         archive = CVTArchive(names=a.descriptors, ranges=ranges, cells=a.cells, seed=config.search.seed)
-    store.set_meta("archive_layout", json.dumps(archive.layout()))
-    logging.getLogger("evo.search").info("archive layout: %s", archive.layout().get("kind"))
+    save_layout(store, archive)
     return archive

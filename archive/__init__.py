@@ -1,0 +1,34 @@
+"""What is *kept*: the SQLite store of every candidate and its lineage, MAP-Elites archives, queries."""
+
+from archive._base import AddStatus, Archive, Descriptors, Elite, QDSnapshot, QDStats
+from archive._candidate import Candidate
+from archive._cvt import CVTArchive
+from archive._errors import AmbiguousIdError, CandidateNotFoundError, SchemaVersionError, StoreError
+from archive._grid import GridArchive
+from archive._query import LAYOUT_KEY, best_per_cell, load_archive, rebuild_archive, save_layout
+from archive._schema import SCHEMA_VERSION
+from archive._store import PendingEntry, Store
+
+__all__ = [
+    "LAYOUT_KEY",
+    "SCHEMA_VERSION",
+    "AddStatus",
+    "AmbiguousIdError",
+    "Archive",
+    "CVTArchive",
+    "Candidate",
+    "CandidateNotFoundError",
+    "Descriptors",
+    "Elite",
+    "GridArchive",
+    "PendingEntry",
+    "QDSnapshot",
+    "QDStats",
+    "SchemaVersionError",
+    "Store",
+    "StoreError",
+    "best_per_cell",
+    "load_archive",
+    "rebuild_archive",
+    "save_layout",
+]
