@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
+from archive import rebuild_archive
 from evo.config import RunConfig, load_config
 from evo.errors import UserError
-from archive import rebuild_archive
 from evo.rundir import RunDir
 
 __all__ = ["main"]
@@ -57,10 +57,9 @@ def _with_overrides(config: RunConfig, **kw: Any) -> RunConfig:
 @click.option("--resume", is_flag=True, help="continue the run in the run dir from where it stopped")
 def run(config_path: Path, run_dir: Path | None, resume: bool, **overrides: Any) -> None:
     """Run the search described by CONFIG (a YAML file)."""
-    from runtime.backends.c import CompilerNotFound, compiler_version
-
     from evo.reporting import RichReporter
     from evo.search import Search
+    from runtime.backends.c import CompilerNotFound, compiler_version
 
     config = load_config(config_path)
     try:

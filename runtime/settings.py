@@ -35,6 +35,9 @@ class TimingSettings(_Model):
     )
     max_seconds: float = Field(2.0, gt=0, description="time cap of the timing stage (both functions)")
     core: int | None = Field(None, description="core the timing worker is pinned to (default: the last allowed)")
+    lock_file: str = Field(
+        "/tmp/evoforge-timing.lock", description="machine-wide lock serialising the timing stage of all workers"
+    )
 
 
 class SandboxSettings(_Model):
