@@ -1,0 +1,118 @@
+"""The built-in tasks compile with the system C compiler and match their references on odd sizes."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from genome import EVOLVE_END, EVOLVE_START, Genome, evolve_blocks
+from runtime.task import Task, load_task_class
+from runtime.tasks.matmul import Matmul
+from runtime.tasks.softmax import Softmax
+
+KernelFn = Callable[..., None]
+
+
+def compile_kernel(task: Task, genome: Genome, tmp_path: Path) -> KernelFn:
+    """Builds ``task.render(genome)`` into a shared object and returns its ``kernel`` via ctypes."""
+    src = tmp_path / f"{genome.id[:16]}.c"
+    lib = src.with_suffix(".so")
+    src.write_text(task.render(genome))
+    cmd = ["cc", "-O3", "-march=native", "-shared", "-fPIC", *task.compile_flags(), str(src), "-o", str(lib)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return getattr(ctypes.CDLL(str(lib)), task.kernel_name)
+
+
+def call(fn: KernelFn, args: list) -> None:
+    fn(*[a.ctypes.data_as(ctypes.c_void_p) if isinstance(a, np.ndarray) else ctypes.c_int(a) for a in args])
+
+
+def assert_correct(task: Task, fn: KernelFn, rng: np.random.Generator) -> None:
+    """Runs every check case against the reference, with the task's tolerance."""
+    for case in task.check_cases(rng):
+        inputs = task.inputs(case, rng)
+        got = {k: np.full(shape, np.nan, dtype) for k, (shape, dtype) in task.outputs(case).items()}
+        want = {k: np.empty(shape, dtype) for k, (shape, dtype) in task.outputs(case).items()}
+        call(fn, task.kernel_args(case, {**inputs, **got}))
+        task.reference(case, inputs, want)
+        rtol, atol = task.tolerance(case)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol, err_msg=f"{name} at {case}")
+
+
+def random_points(task: Task, count: int, seed: int) -> list[Genome]:
+    rng = np.random.default_rng(seed)
+    return [Genome(params=task.space().sample(rng)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("name", ["matmul", "softmax"])
+def test_builtin_names_load(name: str) -> None:
+    cls = load_task_class(name)
+    task = cls()
+    assert task.kernel_name == "kernel"
+    assert task.render(task.seeds()[1]).count("void kernel(") == 1
+
+
+@pytest.mark.parametrize("task", [Matmul(), Softmax()], ids=["matmul", "softmax"])
+def test_sources_carry_evolve_blocks_and_the_signature(task: Task) -> None:
+    for genome in task.seeds():
+        source = genome.source if genome.source is not None else task.template()
+        assert EVOLVE_START in source and EVOLVE_END in source
+        assert evolve_blocks(source)
+        assert task.signature in source
+        assert not task.space().violations(genome.params) or genome.source is not None
+
+
+@pytest.mark.parametrize("task", [Matmul(), Softmax()], ids=["matmul", "softmax"])
+def test_seeds_are_correct(task: Task, tmp_path: Path) -> None:
+    for genome in task.seeds():
+        assert_correct(task, compile_kernel(task, genome, tmp_path), np.random.default_rng(1))
+
+
+@pytest.mark.parametrize(("task", "count"), [(Matmul(), 20), (Softmax(), 16)], ids=["matmul", "softmax"])
+def test_random_template_points_are_correct(task: Task, count: int, tmp_path: Path) -> None:
+    for genome in random_points(task, count, seed=7):
+        assert_correct(task, compile_kernel(task, genome, tmp_path), np.random.default_rng(2))
+
+
+@pytest.mark.parametrize("cls", [Matmul, Softmax], ids=["matmul", "softmax"])
+def test_threads_build_with_openmp(cls: type[Task], tmp_path: Path) -> None:
+    task = cls({"threads": 2})
+    assert task.compile_flags() == ["-fopenmp"]
+    assert cls().compile_flags() == []
+    assert_correct(task, compile_kernel(task, random_points(task, 1, seed=3)[0], tmp_path), np.random.default_rng(3))
+
+
+def test_matmul_full_case_and_measures() -> None:
+    task = Matmul({"m": 1000, "n": 1000, "k": 1000})
+    case = task.full_case()
+    assert case == {"m": 1000, "n": 1000, "k": 1000}
+    assert task.work(case) == pytest.approx(2.0)
+    genome = task.seeds()[1]
+    descriptors = task.descriptors()
+    assert {"source_lines", "register_tile_area", "cache_block_kib"} <= descriptors.keys()
+    area = descriptors["register_tile_area"]
+    assert area.low <= area.fn(genome, {}) <= area.high
+    kib = descriptors["cache_block_kib"]
+    assert kib.low <= kib.fn(genome, {}) <= kib.high
+
+
+def test_matmul_space_keeps_register_tiles_in_registers() -> None:
+    space = Matmul().space()
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        p = space.sample(rng)
+        assert p["MC"] % p["MR"] == 0 and p["NC"] % p["NR"] == 0
+        assert p["MR"] * p["NR"] <= 28 * 16
+
+
+def test_softmax_measures() -> None:
+    task = Softmax()
+    assert task.full_case() == {"rows": 4096, "cols": 1024}
+    assert task.work(task.full_case()) == pytest.approx(4096 * 1024 * 8 / 1e9)
+    assert {"vector_width", "rows_per_block"} <= task.descriptors().keys()
