@@ -1,0 +1,122 @@
+"""The worker's main loop: ``python -m runtime._worker FD`` (started by :class:`runtime.sandbox.WorkerProcess`).
+
+Protocol over the socket FD (length-prefixed pickles): the controller sends an init message
+``{"profile": WorkerProfile, "ids": (uid, gid) | None}``; the worker prepares (imports, opens the compile
+cache and the timing lock), enters the sandbox and answers ``{"ready": True, "hardware": ...}``; then,
+for each ``EvalRequest`` it receives, it sends back one ``EvalResult``. ``None`` or EOF ends it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from genome import canonical_json
+from runtime.cascade import WorkerContext, evaluate
+from runtime.executor import EvalRequest
+from runtime.hardware import fingerprint
+from runtime.result import EvalResult, Status
+from runtime.sandbox import WorkerProfile, arm_cpu_limit, enter_sandbox
+from runtime.task import Task, load_task_class
+from runtime.timing import TimingLock
+
+# Imported before the privilege drop: the interpreter's own files may not be readable by the sandbox
+# user (e.g. a pyenv Python under /root), so anything needed later must already be loaded.
+_PRELOAD = (
+    "numpy.random", "numpy.linalg", "numpy.fft", "ctypes", "_ctypes", "subprocess", "tempfile", "shutil",
+    "hashlib", "json", "math", "random", "bisect", "heapq", "struct", "pickle", "linecache", "tokenize",
+    "errno", "signal", "resource", "fcntl", "platform", "statistics", "decimal", "fractions", "datetime",
+    "functools", "itertools", "collections", "contextlib", "dataclasses", "copy", "textwrap", "re",
+    "encodings.idna", "encodings.latin_1", "encodings.ascii", "unicodedata", "zlib", "binascii",
+)  # fmt: skip
+
+_PR_SET_PDEATHSIG = 1
+
+
+class _Tasks:
+    """Constructed tasks, cached by (name, args)."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[tuple[str, str], Task] = {}
+
+    def get(self, request: EvalRequest) -> Task:
+        key = (request.task.name, canonical_json(request.task.args))
+        if key not in self._tasks:
+            self._tasks[key] = load_task_class(request.task.name)(request.task.args)
+        return self._tasks[key]
+
+
+def _add_paths(paths: tuple[str, ...]) -> None:
+    for p in reversed(paths):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def _internal_error(ctx: WorkerContext | None) -> EvalResult:
+    text = traceback.format_exc()
+    print(text, file=sys.stderr, flush=True)
+    return EvalResult(
+        status=Status.INVALID,
+        error=f"internal error in the worker:\n{text[-4000:]}",
+        hardware=ctx.hardware if ctx else None,
+    )
+
+
+def _prepare(init: dict[str, Any]) -> WorkerContext:
+    profile: WorkerProfile = init["profile"]
+    _add_paths(profile.sys_path)
+    for name in _PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    for ref in profile.preload:
+        try:
+            load_task_class(ref)
+        except Exception:  # noqa: BLE001 - reported when a request needs it
+            traceback.print_exc()
+    hardware = fingerprint(profile.cc)
+    # The cache is reached through this descriptor: its path may not be searchable after the drop.
+    cache_fd = os.open(profile.cache_dir, os.O_RDONLY | os.O_DIRECTORY)
+    lock = TimingLock(profile.lock_file)
+    parent = os.getppid()
+    enter_sandbox(profile.limits, init["ids"])
+    # Die with the controller (set after the drop: changing credentials clears it).
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        sys.exit(0)
+    return WorkerContext(cache_dir=f"/proc/self/fd/{cache_fd}", work_dir=os.getcwd(), lock=lock, hardware=hardware)
+
+
+def main(argv: list[str]) -> int:
+    conn = Connection(int(argv[0]))
+    ctx = _prepare(conn.recv())
+    conn.send({"ready": True, "pid": os.getpid(), "hardware": ctx.hardware})
+    tasks = _Tasks()
+    libc = ctypes.CDLL(None)
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return 0
+        if request is None:
+            return 0
+        try:
+            arm_cpu_limit(request.settings.sandbox.cpu_seconds)
+            _add_paths(request.sys_path)
+            result = evaluate(request, tasks.get(request), ctx)
+        except Exception:  # noqa: BLE001 - any worker bug becomes a result, never a hang
+            result = _internal_error(ctx)
+        sys.stdout.flush()
+        libc.fflush(None)  # what a kernel printf'd reaches the log now, not at exit
+        conn.send(result)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,315 @@
+"""The sandbox: how a worker process is started, confined, and killed.
+
+Controller side (:class:`WorkerProcess`): a worker is ``python -m runtime._worker`` in its own process
+group (``start_new_session``), with a scrubbed environment, a fresh temporary working directory, its
+stdout/stderr going to a log file (a kernel's ``printf`` cannot corrupt the protocol), and a private
+socket carrying length-prefixed pickles. Killing a worker SIGKILLs its whole group, repeatedly, until
+the group is gone; the controller is made a child subreaper so that orphans of a fork bomb are reaped
+here instead of lingering as zombies under an init that may never reap them.
+
+Worker side (:func:`enter_sandbox`): resource limits (RLIMIT_AS, CPU, NOFILE, FSIZE, CORE=0, NPROC),
+then, when started as root (who ignores RLIMIT_NPROC), a drop to the unprivileged ``nobody`` user.
+After the drop the worker reaches the compile cache only through a directory descriptor it opened
+before, so the run directory may live anywhere (even under a private home directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import pwd
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from runtime.result import EvalResult
+from runtime.settings import SandboxSettings
+
+__all__ = [
+    "SANDBOX_USER",
+    "WorkerDied",
+    "WorkerProcess",
+    "WorkerProfile",
+    "WorkerTimeout",
+    "arm_cpu_limit",
+    "enter_sandbox",
+    "group_members",
+    "kill_group",
+    "sandbox_ids",
+    "scrubbed_env",
+]
+
+SANDBOX_USER = "nobody"
+_KEPT_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sandbox_ids() -> tuple[int, int] | None:
+    """``(uid, gid)`` a root-started worker drops to; ``None`` when not root (the uid is kept)."""
+    if os.geteuid() != 0:
+        return None
+    pw = pwd.getpwnam(SANDBOX_USER)
+    return pw.pw_uid, pw.pw_gid
+
+
+def scrubbed_env(threads: int, work_dir: str) -> dict[str, str]:
+    """The worker's whole environment: a few basics and thread counts, never the controller's secrets."""
+    env = {k: os.environ[k] for k in _KEPT_ENV if k in os.environ}
+    env.setdefault("PATH", os.defpath)
+    env.setdefault("LANG", "C.UTF-8")
+    n = str(threads)
+    env.update(
+        HOME=work_dir,
+        TMPDIR=work_dir,
+        OMP_NUM_THREADS=n,
+        OPENBLAS_NUM_THREADS=n,
+        MKL_NUM_THREADS=n,
+        PYTHONPATH=_PACKAGE_ROOT,
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    return env
+
+
+# --- worker side --------------------------------------------------------------------------------
+
+
+def _threads_of(uid: int) -> int:
+    """Tasks (threads) whose real uid is ``uid``: what RLIMIT_NPROC counts."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(status["Uid"].split()[0]) == uid:
+                total += int(status["Threads"])
+        except (OSError, KeyError, ValueError):
+            continue
+    return total
+
+
+def enter_sandbox(limits: SandboxSettings, ids: tuple[int, int] | None) -> None:
+    """Sets the worker's resource limits, then drops to ``ids`` (when given). Irreversible."""
+    mem = limits.memory_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
+    fsize = limits.max_file_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # NPROC counts every thread of the (real) user: allow max_processes more than it runs now.
+    uid = ids[0] if ids else os.getuid()
+    nproc = _threads_of(uid) + limits.max_processes
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    arm_cpu_limit(limits.cpu_seconds)
+    if ids is not None:
+        os.setgroups([])
+        os.setresgid(ids[1], ids[1], ids[1])
+        os.setresuid(ids[0], ids[0], ids[0])
+
+
+def arm_cpu_limit(seconds: int) -> None:
+    """Soft RLIMIT_CPU = CPU used so far + ``seconds`` (SIGXCPU when hit); re-armed per evaluation."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    spent = int(used.ru_utime + used.ru_stime) + 1
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft = spent + seconds
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+# --- controller side ----------------------------------------------------------------------------
+
+
+class WorkerDied(RuntimeError):
+    """The worker process ended during an evaluation; ``signal_name`` says how (None: it exited)."""
+
+    def __init__(self, message: str, signal_name: str | None) -> None:
+        super().__init__(message)
+        self.signal_name = signal_name
+
+
+class WorkerTimeout(RuntimeError):
+    """No answer within the wall-clock limit; the worker's process group has been killed."""
+
+
+@dataclass(frozen=True)
+class WorkerProfile:
+    """What a worker is started with. A request needing another profile gets a fresh worker."""
+
+    limits: SandboxSettings
+    threads: int
+    cache_dir: str
+    lock_file: str
+    cc: str
+    sys_path: tuple[str, ...] = ()
+    preload: tuple[str, ...] = field(default=(), compare=False)  # task refs imported before the drop
+
+
+_SUBREAPER_SET = False
+
+
+def _become_subreaper() -> None:
+    global _SUBREAPER_SET
+    if _SUBREAPER_SET or not sys.platform.startswith("linux"):
+        return
+    PR_SET_CHILD_SUBREAPER = 36
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _SUBREAPER_SET = True
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids (zombies included) whose process group is ``pgid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                found.append(int(entry))
+    return found
+
+
+def kill_group(pgid: int, leader: subprocess.Popen[Any] | None = None, patience: float = 10.0) -> bool:
+    """SIGKILLs process group ``pgid`` until it is gone (a fork loop keeps refilling it), reaping the
+    leader and any orphans that were reparented to us. True when the group is gone."""
+    end = time.monotonic() + patience
+    while True:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        if leader is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                leader.wait(timeout=0.01)
+        me = os.getpid()
+        for pid in group_members(pgid):
+            if leader is not None and pid == leader.pid:
+                continue
+            with contextlib.suppress(ChildProcessError, OSError):
+                if _ppid(pid) == me:
+                    os.waitpid(pid, os.WNOHANG)
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.002)
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+class WorkerProcess:
+    """One sandboxed worker: started on construction, answers :meth:`evaluate` until killed.
+
+    The worker dies with the thread that started it (PR_SET_PDEATHSIG), so start it from a thread that
+    lives as long as the worker should (the pool's slot threads do).
+    """
+
+    def __init__(self, profile: WorkerProfile, *, log_path: str, start_timeout: float = 120.0) -> None:
+        _become_subreaper()
+        self.profile = profile
+        self.log_path = log_path
+        ids = sandbox_ids()
+        self.work_dir = tempfile.mkdtemp(prefix="evoforge-worker-")
+        os.makedirs(profile.cache_dir, exist_ok=True)
+        if ids is not None:
+            os.chown(self.work_dir, *ids)
+            with contextlib.suppress(OSError):
+                if os.stat(profile.cache_dir).st_uid != ids[0]:
+                    os.chown(profile.cache_dir, *ids)
+        with contextlib.suppress(OSError):  # keep each log under RLIMIT_FSIZE: rotate at spawn
+            if os.path.getsize(log_path) > 8 * 2**20:
+                os.replace(log_path, log_path + ".1")
+        ours, theirs = socket.socketpair()
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "runtime._worker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.work_dir,
+                env=scrubbed_env(profile.threads, self.work_dir),
+                start_new_session=True,
+            )
+        theirs.close()
+        self.pid = self.proc.pid
+        self._conn = Connection(ours.detach())
+        self.hardware: dict[str, Any] | None = None
+        try:
+            self._conn.send({"profile": profile, "ids": ids})
+            ready = self._receive(start_timeout)
+        except (WorkerDied, WorkerTimeout) as exc:
+            raise RuntimeError(f"worker failed to start ({exc}); see {log_path}") from None
+        self.hardware = ready.get("hardware")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def evaluate(self, request: Any, timeout: float) -> EvalResult:
+        """Sends ``request``; the worker's result, or WorkerTimeout / WorkerDied (the worker is then dead)."""
+        try:
+            self._conn.send(request)
+        except OSError:
+            pass  # it died; _receive reports how
+        return self._receive(timeout)
+
+    def _receive(self, timeout: float) -> Any:
+        try:
+            ready = self._conn.poll(timeout)
+            if ready:
+                return self._conn.recv()
+        except (EOFError, OSError):
+            pass
+        else:
+            self.kill()
+            raise WorkerTimeout(f"no result within the wall-clock limit of {timeout:g} s")
+        self.kill()
+        rc = self.proc.returncode
+        if rc is not None and rc < 0:
+            name = signal.Signals(-rc).name
+            raise WorkerDied(f"killed by {name} ({signal.strsignal(-rc)})", name)
+        raise WorkerDied(f"the worker exited with code {rc}", None)
+
+    def log_size(self) -> int:
+        try:
+            return os.path.getsize(self.log_path)
+        except OSError:
+            return 0
+
+    def log_since(self, offset: int, limit: int = 2000) -> str:
+        """What the worker (and its kernels) printed since ``offset``, trimmed to the last ``limit`` chars."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except OSError:
+            return ""
+        return data[-limit:].decode(errors="replace")
+
+    def kill(self) -> None:
+        """Kills the worker's whole process group and removes its working directory."""
+        if self.proc.returncode is None or group_members(self.pid):
+            kill_group(self.pid, self.proc)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self._conn.close()
+        shutil.rmtree(self.work_dir, ignore_errors=True)

@@ -1,0 +1,149 @@
+"""The one timing harness: a machine-wide lock, core pinning, and interleaved candidate/reference repeats.
+
+Stopping rule. After ``warmup`` untimed calls of each function, candidate and reference are called
+alternately (the order flips every round, so neither always runs on a cache warmed by the other) and
+each call is timed with ``perf_counter_ns``. Timing stops when, for both functions, the relative
+uncertainty of the median is below ``target_rel_spread`` (and at least ``min_repeats`` were taken), or
+after ``max_repeats`` rounds, or once ``max_seconds`` have passed (at least one round always runs);
+the uncertainty is checked at ``min_repeats`` rounds and every 4th round after.
+The uncertainty is the half-width of the boxplot notch, ``1.58 * IQR / sqrt(n)``, divided by the
+median: a robust ~95% interval of the median that ignores the outliers a noisy machine produces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from runtime.result import TimingStats
+from runtime.settings import TimingSettings
+
+__all__ = ["TimingLock", "TimingRun", "pinned", "relative_uncertainty", "time_interleaved"]
+
+
+class TimingLock:
+    """An exclusive ``flock`` on a file shared by every worker on the machine.
+
+    The file is opened at construction (a worker does it before dropping privileges) and created
+    world-writable, so workers of any user can share it.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        with contextlib.suppress(OSError):  # not ours to change when another user created it
+            if os.fstat(self._fd).st_uid == os.geteuid():
+                os.fchmod(self._fd, 0o666)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[float]:
+        """Holds the lock; yields the seconds spent waiting for it."""
+        t0 = time.perf_counter()
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield time.perf_counter() - t0
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+@contextlib.contextmanager
+def pinned(core: int | None, count: int = 1) -> Iterator[set[int]]:
+    """Pins every thread of this process to ``count`` cores, from ``core`` on (default: the last allowed
+    ones), and restores each thread's affinity after. Yields the cores."""
+    allowed = sorted(os.sched_getaffinity(0))
+    count = max(1, min(count, len(allowed)))
+    if core is None:
+        target = set(allowed[-count:])
+    else:
+        later = [c for c in allowed if c >= core]
+        target = set(later[:count]) if len(later) >= count else set(allowed[-count:])
+    before: dict[int, set[int]] = {}
+    for tid in _threads():
+        with contextlib.suppress(OSError):  # a thread may end meanwhile
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, target)
+    try:
+        yield target
+    finally:
+        for tid, cpus in before.items():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, cpus)
+
+
+def _threads() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+def relative_uncertainty(samples: list[float]) -> float:
+    """``1.58 * IQR / sqrt(n) / median``: the relative half-width of the median's notch (inf if n < 2)."""
+    n = len(samples)
+    if n < 2:
+        return math.inf
+    s = sorted(samples)
+    q1, q3 = _quantile(s, 0.25), _quantile(s, 0.75)
+    med = _quantile(s, 0.5)
+    return math.inf if med <= 0 else 1.58 * (q3 - q1) / math.sqrt(n) / med
+
+
+def _quantile(s: list[float], q: float) -> float:
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class TimingRun:
+    candidate: TimingStats
+    reference: TimingStats
+    call_seconds: float  # time spent inside the two functions (warm-up included): not overhead
+    seconds: float  # wall time of the whole run
+    rel_uncertainty: float  # of the candidate's median (see relative_uncertainty)
+
+
+def time_interleaved(
+    candidate: Callable[[], object], reference: Callable[[], object], settings: TimingSettings
+) -> TimingRun:
+    """Times ``candidate`` and ``reference`` side by side (see the module docstring for when it stops)."""
+    clock = time.perf_counter_ns
+    start = clock()
+    for _ in range(settings.warmup):
+        candidate()
+        reference()
+    cand: list[float] = []
+    ref: list[float] = []
+    deadline = start + int(settings.max_seconds * 1e9)
+    pair = ((candidate, cand), (reference, ref))
+    for i in range(settings.max_repeats):
+        for fn, out in pair if i % 2 == 0 else pair[::-1]:
+            t0 = clock()
+            fn()
+            out.append((clock() - t0) * 1e-9)
+        if clock() >= deadline:
+            break
+        if (
+            i + 1 >= settings.min_repeats
+            and (i + 1 - settings.min_repeats) % 4 == 0  # the check sorts: not every round
+            and relative_uncertainty(cand) < settings.target_rel_spread
+            and relative_uncertainty(ref) < settings.target_rel_spread
+        ):
+            break
+    seconds = (clock() - start) * 1e-9
+    timed = sum(cand) + sum(ref)
+    # Warm-up calls are not timed one by one; count them at the measured medians.
+    c, r = TimingStats.of(cand), TimingStats.of(ref)
+    warm = settings.warmup * (c.median + r.median)
+    return TimingRun(
+        c, r, call_seconds=min(seconds, timed + warm), seconds=seconds, rel_uncertainty=relative_uncertainty(cand)
+    )

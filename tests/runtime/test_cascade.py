@@ -1,0 +1,89 @@
+"""The cascade's integrity rules, run in this process on benign kernels (hostile ones: test_sandbox.py)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from runtime_helpers import CORRECT, VECADD, kernel, make_settings, request
+
+from runtime.cascade import GUARD_BYTES, WorkerContext, evaluate, guarded_empty
+from runtime.result import Status
+from runtime.task import load_task_class
+from runtime.timing import TimingLock
+
+
+@pytest.fixture(scope="module")
+def ctx(workdir):
+    os.makedirs(os.path.join(workdir, "cache"), exist_ok=True)
+    lock = TimingLock(os.path.join(workdir, "timing.lock"))
+    yield WorkerContext(cache_dir=os.path.join(workdir, "cache"), work_dir=workdir, lock=lock)
+    lock.close()
+
+
+@pytest.fixture(scope="module")
+def task(workdir):
+    import sys
+
+    from runtime_helpers import HERE
+
+    sys.path.insert(0, HERE)
+    return load_task_class(VECADD.name)(VECADD.args)
+
+
+def _eval(workdir, task, ctx, body, prelude="", **settings_kw):
+    req = request(workdir, kernel(body, prelude), settings=make_settings(workdir).model_copy(update=settings_kw))
+    return evaluate(req, task, ctx)
+
+
+def test_guarded_arrays_are_aligned_and_guarded():
+    for n in (1, 3, 1000):
+        raw, a = guarded_empty((n,), np.float32)
+        assert a.ctypes.data % 64 == 0 and a.shape == (n,)
+        assert raw.size == n * 4 + 2 * GUARD_BYTES and (raw[:GUARD_BYTES] == 0xA5).all()
+
+
+def test_correct_kernel_is_ok_with_metrics(workdir, task, ctx):
+    r = _eval(workdir, task, ctx, CORRECT)
+    assert r.status is Status.OK, r.error
+    assert r.fitness > 0 and r.unit == "GB/s"
+    m = r.metrics
+    assert m["vs_reference"] > 0 and m["ref_fitness"] > 0 and m["n_repeats"] >= 1 and m["flagged"] is False
+    assert m["time_min_s"] <= m["time_median_s"]
+    for key in ("compile_s", "check_s", "time_s", "total_s", "overhead_s", "calls_s"):
+        assert key in r.timings
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ("for (int i = 0; i < n; i++) y[i] = NAN;", Status.WRONG, "NaN in output 'y'"),
+        ("", Status.WRONG, "NaN in output 'y'"),  # wrote nothing: the poison shows
+        ("for (int i = 0; i < n; i++) y[i] = a * x[i];", Status.WRONG, "max error"),
+        (CORRECT + " y[n + 3] = 0;", Status.INVALID, "wrote out of bounds of 'y'"),
+        (CORRECT + " y[-1] = 0;", Status.INVALID, "wrote out of bounds of 'y'"),
+        (CORRECT + " ((float *)x)[0] += 1;", Status.INVALID, "modified its inputs ('x')"),
+    ],
+    ids=["nan", "nothing", "wrong-values", "past-the-end", "before-start", "input"],
+)
+def test_broken_kernels(workdir, task, ctx, body, status, words):
+    r = _eval(workdir, task, ctx, body, prelude="#include <math.h>")
+    assert r.status is status and words in r.error, r.error
+    assert r.fitness is None
+
+
+def test_wrong_reports_index_expected_and_got(workdir, task, ctx):
+    r = _eval(workdir, task, ctx, CORRECT + " if (n > 5) y[5] = 1000.0f;")
+    assert r.status is Status.WRONG
+    assert "at index (5,)" in r.error and "got 1000.0" in r.error and "seed" in r.error
+
+
+def test_compile_error(workdir, task, ctx):
+    r = _eval(workdir, task, ctx, "y[0] = undefined_variable;")
+    assert r.status is Status.COMPILE_ERROR and "undefined_variable" in r.error
+
+
+def test_implausible_speedup_is_reverified_and_flagged(workdir, task, ctx):
+    r = _eval(workdir, task, ctx, CORRECT, implausible_speedup=1.0000001)
+    assert r.status is Status.OK and r.metrics["flagged"] is True

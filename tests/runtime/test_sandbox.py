@@ -1,0 +1,81 @@
+"""Hostile kernels: each ends with the right status, and the pool keeps serving afterwards."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from runtime_helpers import CORRECT, kernel, make_settings, request, run
+
+from runtime.result import Status
+from runtime.sandbox import group_members
+
+
+@pytest.fixture
+def still_serving(pool, workdir):
+    """After the test: a good kernel is still evaluated fine."""
+    yield
+    r = run(pool, request(workdir, kernel(CORRECT)))
+    assert r.status is Status.OK, r.error
+
+
+def test_segfault_is_a_crash(pool, workdir, still_serving):
+    r = run(pool, request(workdir, kernel("*(volatile int *)0 = 1;")))
+    assert r.status is Status.CRASH and "SIGSEGV" in r.error
+
+
+def test_infinite_loop_times_out(pool, workdir, still_serving):
+    settings = make_settings(workdir, timeout=1.5)
+    t0 = time.monotonic()
+    r = run(pool, request(workdir, kernel("for (volatile int i = 0;; i++) {}"), settings=settings))
+    assert r.status is Status.TIMEOUT and "1.5 s" in r.error
+    assert time.monotonic() - t0 < 1.5 + 5  # compile + the wall limit, then the kill
+
+
+def test_cpu_limit_is_a_timeout(pool, workdir, still_serving):
+    settings = make_settings(workdir, timeout=30, cpu_seconds=1)
+    r = run(pool, request(workdir, kernel("for (volatile int i = 0;; i++) {}"), settings=settings))
+    assert r.status is Status.TIMEOUT and "CPU time limit" in r.error
+
+
+def test_huge_allocation_fails_inside_the_sandbox(pool, workdir, still_serving):
+    body = (
+        "size_t sz = (size_t)100 << 30; char *p = malloc(sz);\n"
+        "for (size_t i = 0; i < sz; i += 4096) p[i] = 1;\n" + CORRECT
+    )
+    r = run(pool, request(workdir, kernel(body, "#include <stdlib.h>")))
+    # RLIMIT_AS makes malloc fail: writing through NULL segfaults; never the OOM killer (SIGKILL).
+    assert r.status in (Status.CRASH, Status.WRONG, Status.INVALID), r
+    assert "SIGKILL" not in (r.error or "")
+
+
+@pytest.mark.slow
+def test_fork_loop_is_killed_with_its_whole_group(pool, workdir, still_serving):
+    settings = make_settings(workdir, timeout=1.5, max_processes=8)
+    assert run(pool, request(workdir, kernel(CORRECT), settings=settings)).status is Status.OK
+    (pgid,) = pool.worker_pids()
+    r = run(pool, request(workdir, kernel("for (;;) fork();", "#include <unistd.h>"), settings=settings))
+    assert r.status in (Status.TIMEOUT, Status.CRASH), r
+    assert group_members(pgid) == []  # nothing of that worker survives, not even a zombie
+
+
+def test_worker_runs_unprivileged(pool, workdir, still_serving):
+    body = "float bad = getuid() == 0 ? 1000.0f : 0.0f;\nfor (int i = 0; i < n; i++) y[i] = a * x[i] + b + bad;"
+    r = run(pool, request(workdir, kernel(body, "#include <unistd.h>")))
+    assert r.status is Status.OK, r.error  # as root the worker dropped to nobody; otherwise it kept its uid
+
+
+def test_worker_cannot_read_the_controllers_files(pool, workdir, still_serving):
+    if os.geteuid() != 0:
+        pytest.skip("only a root-started worker changes user")
+    secret = os.path.join(workdir, "secret.txt")
+    with open(secret, "w") as f:
+        f.write("x")
+    os.chmod(secret, 0o600)
+    body = (
+        f'float bad = fopen("{secret}", "r") != NULL ? 1000.0f : 0.0f;\n'
+        "for (int i = 0; i < n; i++) y[i] = a * x[i] + b + bad;"
+    )
+    r = run(pool, request(workdir, kernel(body, "#include <stdio.h>")))
+    assert r.status is Status.OK, r.error

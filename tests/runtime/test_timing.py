@@ -1,0 +1,77 @@
+"""The timing harness: statistics, the stopping rule, the machine-wide lock, pinning."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from runtime.result import TimingStats
+from runtime.settings import TimingSettings
+from runtime.timing import TimingLock, pinned, relative_uncertainty, time_interleaved
+
+
+def test_timing_stats_math():
+    s = TimingStats.of([4.0, 1.0, 3.0, 2.0])
+    assert (s.n, s.min, s.median, s.mean) == (4, 1.0, 2.5, 2.5)
+    assert s.std == pytest.approx(math.sqrt(1.25))
+    odd = TimingStats.of([5.0, 1.0, 3.0])
+    assert odd.median == 3.0 and odd.std == pytest.approx(math.sqrt(8 / 3))
+
+
+def test_relative_uncertainty():
+    assert relative_uncertainty([1.0]) == math.inf
+    assert relative_uncertainty([2.0] * 10) == 0.0
+    # quartiles of 1..9 are 3 and 7, the median 5: 1.58 * 4 / 3 / 5
+    assert relative_uncertainty([float(i) for i in range(1, 10)]) == pytest.approx(1.58 * 4 / 3 / 5)
+
+
+def test_steady_functions_stop_at_min_repeats():
+    settings = TimingSettings(warmup=1, min_repeats=5, max_repeats=1000, target_rel_spread=10.0)
+    run = time_interleaved(lambda: None, lambda: None, settings)
+    assert run.candidate.n == run.reference.n == 5
+    assert run.call_seconds <= run.seconds
+
+
+def test_max_repeats_and_max_seconds_cap_the_run():
+    capped = time_interleaved(lambda: None, lambda: None, TimingSettings(max_repeats=7, target_rel_spread=1e-9))
+    assert capped.candidate.n == 7
+    slow = TimingSettings(min_repeats=100, max_repeats=1000, max_seconds=0.05, target_rel_spread=1e-9)
+    t0 = time.perf_counter()
+    run = time_interleaved(lambda: time.sleep(0.01), lambda: None, slow)
+    assert time.perf_counter() - t0 < 0.5 and 1 <= run.candidate.n < 10
+    assert run.candidate.median >= 0.01 > run.reference.median
+
+
+def test_lock_excludes_another_process(tmp_path):
+    path = str(tmp_path / "timing.lock")
+    lock = TimingLock(path)
+    assert os.stat(path).st_mode & 0o777 == 0o666
+    probe = (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
+        "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
+        "except BlockingIOError:\n    print('held')\n"
+    )
+
+    def probe_says() -> str:
+        return subprocess.run([sys.executable, "-c", probe, path], capture_output=True, text=True).stdout.strip()
+
+    with lock.held() as waited:
+        assert waited < 1.0
+        assert probe_says() == "held"
+    assert probe_says() == "free"
+    lock.close()
+
+
+def test_pinned_restores_affinity():
+    before = os.sched_getaffinity(0)
+    with pinned(None) as cores:
+        assert os.sched_getaffinity(0) == cores == {max(before)}
+    assert os.sched_getaffinity(0) == before
+    with pinned(min(before), count=2) as cores:
+        assert len(cores) == min(2, len(before)) and os.sched_getaffinity(0) == cores
+    assert os.sched_getaffinity(0) == before
