@@ -19,10 +19,10 @@ from typing import Any
 
 from genome import canonical_json
 from runtime.cascade import WorkerContext, evaluate
-from runtime.executor import EvalRequest
 from runtime.hardware import fingerprint
 from runtime.result import EvalResult, Status
 from runtime.sandbox import WorkerProfile, arm_cpu_limit, enter_sandbox
+from runtime.settings import TaskSpec
 from runtime.task import Task, load_task_class
 from runtime.timing import TimingLock
 
@@ -45,10 +45,10 @@ class _Tasks:
     def __init__(self) -> None:
         self._tasks: dict[tuple[str, str], Task] = {}
 
-    def get(self, request: EvalRequest) -> Task:
-        key = (request.task.name, canonical_json(request.task.args))
+    def get(self, spec: TaskSpec) -> Task:
+        key = (spec.name, canonical_json(spec.args))
         if key not in self._tasks:
-            self._tasks[key] = load_task_class(request.task.name)(request.task.args)
+            self._tasks[key] = load_task_class(spec.name)(spec.args)
         return self._tasks[key]
 
 
@@ -68,7 +68,23 @@ def _internal_error(ctx: WorkerContext | None) -> EvalResult:
     )
 
 
-def _prepare(init: dict[str, Any]) -> WorkerContext:
+def _prime(task: Task) -> None:
+    """Runs a task's Python paths once, so every module and file they read is loaded before the drop."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for genome in task.seeds():
+        task.render(genome)
+    case = task.check_cases(rng)[0]
+    inputs = task.inputs(case, rng)
+    outputs = {name: np.empty(shape, dtype) for name, (shape, dtype) in task.outputs(case).items()}
+    task.reference(case, inputs, outputs)
+    task.kernel_args(case, {**inputs, **outputs})
+    task.tolerance(case)
+    task.work(case)
+
+
+def _prepare(init: dict[str, Any], tasks: _Tasks) -> WorkerContext:
     profile: WorkerProfile = init["profile"]
     _add_paths(profile.sys_path)
     for name in _PRELOAD:
@@ -76,9 +92,9 @@ def _prepare(init: dict[str, Any]) -> WorkerContext:
             importlib.import_module(name)
         except ImportError:
             pass
-    for ref in profile.preload:
+    for spec in profile.preload:
         try:
-            load_task_class(ref)
+            _prime(tasks.get(spec))
         except Exception:  # noqa: BLE001 - reported when a request needs it
             traceback.print_exc()
     hardware = fingerprint(profile.cc)
@@ -96,9 +112,9 @@ def _prepare(init: dict[str, Any]) -> WorkerContext:
 
 def main(argv: list[str]) -> int:
     conn = Connection(int(argv[0]))
-    ctx = _prepare(conn.recv())
-    conn.send({"ready": True, "pid": os.getpid(), "hardware": ctx.hardware})
     tasks = _Tasks()
+    ctx = _prepare(conn.recv(), tasks)
+    conn.send({"ready": True, "pid": os.getpid(), "hardware": ctx.hardware})
     libc = ctypes.CDLL(None)
     while True:
         try:
@@ -110,7 +126,7 @@ def main(argv: list[str]) -> int:
         try:
             arm_cpu_limit(request.settings.sandbox.cpu_seconds)
             _add_paths(request.sys_path)
-            result = evaluate(request, tasks.get(request), ctx)
+            result = evaluate(request, tasks.get(request.task), ctx)
         except Exception:  # noqa: BLE001 - any worker bug becomes a result, never a hang
             result = _internal_error(ctx)
         sys.stdout.flush()

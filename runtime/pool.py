@@ -40,7 +40,7 @@ def _profile(request: EvalRequest) -> WorkerProfile:
         lock_file=settings.timing.lock_file,
         cc=settings.compiler.cc,
         sys_path=tuple(os.path.abspath(p) for p in request.sys_path),
-        preload=(request.task.name,),
+        preload=(request.task,),
     )
 
 

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from runtime.result import EvalResult
-from runtime.settings import SandboxSettings
+from runtime.settings import SandboxSettings, TaskSpec
 
 __all__ = [
     "SANDBOX_USER",
@@ -153,7 +153,7 @@ class WorkerProfile:
     lock_file: str
     cc: str
     sys_path: tuple[str, ...] = ()
-    preload: tuple[str, ...] = field(default=(), compare=False)  # task refs imported before the drop
+    preload: tuple[TaskSpec, ...] = field(default=(), compare=False)  # tasks built and primed before the drop
 
 
 _SUBREAPER_SET = False

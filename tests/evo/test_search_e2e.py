@@ -1,0 +1,122 @@
+"""End to end: real compiler, real sandboxed workers, real SQLite; small sizes so it stays quick."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+
+def small_config(tmp_path: Path, *, max_evals: int, n: int = 192, seed: int = 0, **budget) -> Path:
+    cfg = {
+        "name": "mm",
+        "task": {"name": "matmul", "args": {"m": n, "n": n, "k": n}},
+        "evaluation": {"timing": {"max_seconds": 0.3, "max_repeats": 15}, "check_trials": 1},
+        "search": {"workers": 2, "seed": seed, "initial_random": 6},
+        "budget": {"max_evals": max_evals, **budget},
+        "archive": {"descriptors": ["register_tile_area", "cache_block_kib"], "bins": [4, 4]},
+    }
+    p = tmp_path / "mm.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def evo(*args: str, cwd: Path, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "evo", *args], capture_output=True, text=True, cwd=cwd, **kw)
+
+
+def rows(db: Path) -> dict[str, tuple]:
+    con = sqlite3.connect(db)
+    try:
+        return {r[0]: r[1:] for r in con.execute(
+            "SELECT id, status, fitness, evaluated_at, eval_seq FROM candidates WHERE status != 'pending'")}
+    finally:
+        con.close()
+
+
+def test_search_beats_the_naive_seed_and_archive_answers(tmp_path):
+    cfg = small_config(tmp_path, max_evals=30)
+    run_dir = tmp_path / "run"
+    proc = evo("run", str(cfg), "--run-dir", str(run_dir), cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "best kernel" in proc.stdout
+
+    out = evo("archive", "best", str(run_dir), "--top", "5", "--json", cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    best = json.loads(out.stdout)
+    assert 1 <= len(best) <= 5
+    for key in ("id", "status", "fitness", "unit", "metrics", "params", "descriptors", "operator", "parents"):
+        assert key in best[0]
+    assert best[0]["unit"] == "GFLOP/s" and best[0]["status"] == "ok"
+    assert [b["fitness"] for b in best] == sorted((b["fitness"] for b in best), reverse=True)
+    assert best[0]["metrics"]["vs_reference"] > 0
+
+    con = sqlite3.connect(run_dir / "archive.db")
+    (naive,) = con.execute("SELECT fitness FROM candidates WHERE operator='seed' AND params='{}'").fetchone()
+    (n_eval,) = con.execute("SELECT COUNT(*) FROM candidates WHERE status != 'pending'").fetchone()
+    con.close()
+    assert n_eval == 30
+    assert best[0]["fitness"] >= 5 * naive, (best[0]["fitness"], naive)
+
+    stats = evo("archive", "stats", str(run_dir), "--json", cwd=tmp_path, timeout=60)
+    s = json.loads(stats.stdout)
+    assert s["candidates"] == 30 and s["by_status"]["ok"] >= 1 and 0 < s["archive"]["coverage"] <= 1
+
+    show = evo("archive", "show", str(run_dir), best[0]["id"][:10], cwd=tmp_path, timeout=60)
+    assert show.returncode == 0 and "void kernel(" in show.stdout
+    src = tmp_path / "best.c"
+    exp = evo("archive", "export", str(run_dir), best[0]["id"], "-o", str(src), cwd=tmp_path, timeout=60)
+    assert exp.returncode == 0
+    compiled = subprocess.run(["cc", "-O2", "-march=native", "-shared", "-fPIC", str(src), "-o", str(tmp_path / "b.so")],
+                              capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stderr
+
+
+def test_existing_run_needs_resume(tmp_path):
+    cfg = small_config(tmp_path, max_evals=2)
+    run_dir = tmp_path / "run"
+    assert evo("run", str(cfg), "--run-dir", str(run_dir), cwd=tmp_path, timeout=300).returncode == 0
+    again = evo("run", str(cfg), "--run-dir", str(run_dir), cwd=tmp_path, timeout=60)
+    assert again.returncode == 2 and "--resume" in again.stderr
+
+
+def test_kill_9_then_resume_loses_nothing_and_repeats_nothing(tmp_path):
+    cfg = small_config(tmp_path, max_evals=24, n=160)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "evo", "run", str(cfg), "--run-dir", str(run_dir)], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    db = run_dir / "archive.db"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if db.exists():
+            try:
+                if len(rows(db)) >= 8:
+                    break
+            except sqlite3.OperationalError:
+                pass
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = rows(db)
+    assert 8 <= len(before) < 24
+
+    resumed = evo("run", str(cfg), "--run-dir", str(run_dir), "--resume", cwd=tmp_path, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = rows(db)
+    for cid, row in before.items():
+        assert after[cid] == row  # nothing committed was lost or re-evaluated
+    assert len(after) == 24  # the budget counts what was already done
+    seqs = [r[3] for r in after.values()]
+    assert len(set(seqs)) == len(seqs)
+    con = sqlite3.connect(db)
+    (pending,) = con.execute("SELECT COUNT(*) FROM candidates WHERE status='pending'").fetchone()
+    con.close()
+    assert pending <= 2  # at most what was in flight when the budget ran out
