@@ -65,7 +65,8 @@ def test_config_errors_are_one_line_with_exit_code_2(tmp_path, data, expected):
 def test_missing_config_file(tmp_path):
     proc = evo("run", "nope.yaml", cwd=tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: config file not found: nope.yaml (check the path; ready configs are in configs/)"
+    expected = "error: config file not found: nope.yaml (check the path; ready configs are in configs/)"
+    assert proc.stderr.strip() == expected
 
 
 def test_missing_compiler_is_one_clear_line(tmp_path):

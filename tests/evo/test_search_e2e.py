@@ -75,8 +75,8 @@ def test_search_beats_the_naive_seed_and_archive_answers(tmp_path):
     src = tmp_path / "best.c"
     exp = evo("archive", "export", str(run_dir), best[0]["id"], "-o", str(src), cwd=tmp_path, timeout=60)
     assert exp.returncode == 0
-    compiled = subprocess.run(["cc", "-O2", "-march=native", "-shared", "-fPIC", str(src), "-o", str(tmp_path / "b.so")],
-                              capture_output=True, text=True)
+    cmd = ["cc", "-O2", "-march=native", "-shared", "-fPIC", str(src), "-o", str(tmp_path / "b.so")]
+    compiled = subprocess.run(cmd, capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stderr
 
 
