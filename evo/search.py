@@ -99,7 +99,7 @@ class Search:
                         break
                     executor.submit(self._request(cand))
                 if executor.in_flight == 0:
-                    stopped = budget.exhausted(self._evaluated, self._best_fitness()) or "no new candidates to try"
+                    stopped = budget.exhausted(self._evaluated, self._best_fitness()) or "no new candidate found in max_dedup_tries proposals (the space may be exhausted)"
                     break
                 item = executor.next_result(timeout=0.5)
                 if item is not None:

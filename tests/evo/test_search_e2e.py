@@ -120,3 +120,39 @@ def test_kill_9_then_resume_loses_nothing_and_repeats_nothing(tmp_path):
     (pending,) = con.execute("SELECT COUNT(*) FROM candidates WHERE status='pending'").fetchone()
     con.close()
     assert pending <= 2  # at most what was in flight when the budget ran out
+
+
+def candidate_ids(db: Path) -> list[str]:
+    con = sqlite3.connect(db)
+    try:
+        return [r[0] for r in con.execute("SELECT id FROM candidates ORDER BY seq")]
+    finally:
+        con.close()
+
+
+def test_proposals_are_reproducible_from_the_run_seed(tmp_path):
+    runs = {}
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        cfg = small_config(tmp_path, max_evals=1, n=64, seed=seed)
+        proc = evo("run", str(cfg), "--run-dir", str(tmp_path / name), cwd=tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[name] = candidate_ids(tmp_path / name / "archive.db")
+    assert len(runs["a"]) == 8  # 2 seeds + 6 random samples, written before evaluation
+    assert runs["a"] == runs["b"]
+    assert runs["a"][2:] != runs["c"][2:]  # same task seeds, other random samples
+
+
+def test_the_user_task_example_runs_on_a_cvt_archive(tmp_path):
+    root = Path(__file__).parents[2]
+    cfg = yaml.safe_load((root / "configs" / "rmsnorm_user.yaml").read_text())
+    cfg["archive"] = {"kind": "cvt", "descriptors": ["accumulators", "source_lines"], "cells": 8}
+    cfg["budget"] = {"max_evals": 6}
+    cfg["evaluation"] = {"timing": {"max_seconds": 0.3}}
+    (root_cfg := tmp_path / "rms.yaml").write_text(yaml.safe_dump(cfg))
+    # the task module sits beside the shipped config, not this copy: put it on the path
+    (tmp_path / "rmsnorm_task.py").write_text((root / "configs" / "rmsnorm_task.py").read_text())
+    proc = evo("run", str(root_cfg), "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stats = json.loads(evo("archive", "stats", str(tmp_path / "run"), "--json", cwd=tmp_path, timeout=60).stdout)
+    assert stats["archive"]["kind"] == "cvt" and stats["archive"]["cells"] == 8
+    assert stats["by_status"].get("ok", 0) >= 4 and stats["archive"]["filled"] >= 1
