@@ -113,6 +113,10 @@ def report(title: str, rd: RunDir, measured: dict[str, Any], search_seconds: flo
         return
     unit = measured["unit"]
     print(f"{title}\nrun {out['run_dir']}: {out['evaluations']} evaluations, {out['run_wall_seconds']:.0f} s")
+    for c in rd.store.by_operator("seed", limit=10):
+        if c.fitness is not None:
+            kind = "code genome" if not c.params else "template point"
+            print(f"seed ({kind}) {c.id[:12]}: {c.fitness:8.3f} {unit}  ({c.metrics.get('vs_reference', 0):.4f}x)")
     print("climb (best as measured during the search):")
     for r in out["climb"]:
         print(f"  after {r['evals']:>4} evals: {r['fitness']:8.2f} {unit}  ({r['vs_reference']:.3f}x reference)")
