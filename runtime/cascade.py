@@ -100,6 +100,13 @@ class _Instance:
         for name in self.outputs:
             _poison(self.arrays[name])
 
+    def verify_written(self) -> None:
+        """Cheap check after a timed call: no poisoned (NaN) value is left in a float output."""
+        for name in self.outputs:
+            out, expected = self.arrays[name], self.expected[name]
+            if np.issubdtype(out.dtype, np.floating) and np.isnan(out).any() and not np.isnan(expected).any():
+                raise Failure(Status.WRONG, f"left output {name!r} unwritten on a timed call, case {self.case}")
+
     def verify_integrity(self) -> None:
         for name, raw in self.raws.items():
             if not _guards_intact(raw):
@@ -207,11 +214,12 @@ def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult
             task.reference(full_case, inst.inputs, ref_out)
 
         with ctx.lock.held() as waited, pinned(settings.timing.core, task.args.threads) as cores:
-            run = time_interleaved(call, reference, settings.timing)
+            run = time_interleaved(call, reference, settings.timing, before=inst.poison, after=inst.verify_written)
         clock.calls += run.call_seconds
         timings["lock_wait_s"] = waited
         timings["time_s"] = time.perf_counter() - t0 - waited
         inst.verify_integrity()
+        _compare(task, inst)  # the last timed call's output must be right too
 
         cand, ref = run.candidate, run.reference
         median = max(cand.median, 1e-12)

@@ -113,9 +113,19 @@ class TimingRun:
 
 
 def time_interleaved(
-    candidate: Callable[[], object], reference: Callable[[], object], settings: TimingSettings
+    candidate: Callable[[], object],
+    reference: Callable[[], object],
+    settings: TimingSettings,
+    *,
+    before: Callable[[], object] | None = None,
+    after: Callable[[], object] | None = None,
 ) -> TimingRun:
-    """Times ``candidate`` and ``reference`` side by side (see the module docstring for when it stops)."""
+    """Times ``candidate`` and ``reference`` side by side (see the module docstring for when it stops).
+
+    ``before`` and ``after`` run untimed around every timed candidate call: the cascade poisons the
+    outputs before and checks they were written after, so a kernel cannot skip work once it has
+    passed its checks.
+    """
     clock = time.perf_counter_ns
     start = clock()
     for _ in range(settings.warmup):
@@ -127,9 +137,14 @@ def time_interleaved(
     pair = ((candidate, cand), (reference, ref))
     for i in range(settings.max_repeats):
         for fn, out in pair if i % 2 == 0 else pair[::-1]:
+            is_candidate = fn is candidate
+            if is_candidate and before is not None:
+                before()
             t0 = clock()
             fn()
             out.append((clock() - t0) * 1e-9)
+            if is_candidate and after is not None:
+                after()
         if clock() >= deadline:
             break
         if (

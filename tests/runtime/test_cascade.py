@@ -87,3 +87,18 @@ def test_compile_error(workdir, task, ctx):
 def test_implausible_speedup_is_reverified_and_flagged(workdir, task, ctx):
     r = _eval(workdir, task, ctx, CORRECT, implausible_speedup=1.0000001)
     assert r.status is Status.OK and r.metrics["flagged"] is True
+
+
+def test_kernel_that_stops_working_after_its_checks_is_caught(workdir, task, ctx):
+    # Computes while being checked, then skips work on the full size once it has been seen twice:
+    # without poisoning between timed calls, the stale correct output would make it look very fast.
+    lazy = "static int seen = 0; if (n >= 1000 && ++seen > 2) return; " + CORRECT
+    r = _eval(workdir, task, ctx, lazy)
+    assert r.status is Status.WRONG and "unwritten on a timed call" in r.error, r.error
+
+
+def test_kernel_that_writes_garbage_on_later_calls_is_caught(workdir, task, ctx):
+    garbage = "{ for (int i = 0; i < n; i++) y[i] = 1; return; }"
+    lazy = f"static int seen = 0; if (n >= 1000 && ++seen > 2) {garbage} " + CORRECT
+    r = _eval(workdir, task, ctx, lazy)
+    assert r.status is Status.WRONG and "max error" in r.error, r.error
