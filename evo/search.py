@@ -1,8 +1,8 @@
 """The search controller: asynchronous steady-state MAP-Elites.
 
-The loop, in one screen (see :meth:`Search.run`): keep every worker busy with a proposal, and as
+The loop, in one screen (see :meth:`Search.run`): keep every worker busy with a candidate, and as
 each result arrives commit it, place it in the archive, and report. Policies live elsewhere:
-selection (:mod:`evo.selection`), operators (:mod:`evo.operators`), budgets (:mod:`evo.budget`).
+proposals (:mod:`evo.proposer`: selection, operators, dedup), budgets (:mod:`evo.budget`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import numpy as np
 from archive import AddStatus, Candidate, Store
 from evo.budget import Budget
 from evo.config import RunConfig
-from evo.operators import Operator, ProposalContext, RandomSample, build_operators
+from evo.operators import Operator, build_operators
+from evo.proposer import Proposer
 from evo.reporting import Reporter, SilentReporter
 from evo.rundir import RunDir, build_archive
-from evo.selection import Curiosity, select_parents
+from evo.selection import Curiosity
 from genome import Genome
 from runtime import EvalRequest, EvalResult, Executor, Status, Task
 
@@ -57,6 +58,8 @@ class Search:
         *,
         executor: Executor | None = None,
         reporter: Reporter | None = None,
+        operators: dict[str, Operator] | None = None,
+        weights: dict[str, float] | None = None,
     ) -> None:
         self.config = config
         self.run_dir = run_dir
@@ -67,15 +70,13 @@ class Search:
         self.reporter = reporter or SilentReporter()
         self.workers = config.search.workers or len(os.sched_getaffinity(0))
         self._executor = executor
-        self.operators: dict[str, Operator] = build_operators(config.search.operators)
-        weights = np.array([config.search.operators.weights[n] for n in self.operators], dtype=float)
-        self._op_names = list(self.operators)
-        self._op_p = weights / weights.sum()
         self.curiosity = Curiosity()
-        self._genomes: dict[str, Genome] = {}
+        self.proposer = Proposer(
+            config=config, task=self.task, space=self.space, store=self.store, archive=self.archive,
+            operators=operators or build_operators(config.search.operators),
+            weights=weights or dict(config.search.operators.weights), curiosity=self.curiosity,
+        )
         self._best: Candidate | None = None
-        self._parents: dict[str, list[str]] = {}
-        self.duplicates = 0
         self._evaluated = 0
         self._session = 0
 
@@ -89,19 +90,20 @@ class Search:
         queue += self._initial_population()
         executor = self._executor or self.run_dir.make_pool(self.workers)
         self.reporter.start(total=self.config.budget.max_evals, done=self._evaluated, workers=self.workers)
-        last_snapshot = 0.0
-        stopped = ""
+        last_snapshot, stopped = 0.0, ""
         try:
             while True:
+                queue += self.proposer.harvest()
                 while executor.in_flight < self.workers and budget.may_submit(self._evaluated, executor.in_flight):
-                    cand = queue.pop(0) if queue else self._propose()
+                    cand = queue.pop(0) if queue else self.proposer.propose()
                     if cand is None:
                         break
                     executor.submit(self._request(cand))
-                if executor.in_flight == 0:
-                    stopped = budget.exhausted(self._evaluated, self._best_fitness()) or "no new candidate found in max_dedup_tries proposals (the space may be exhausted)"
+                if executor.in_flight == 0 and not self.proposer.waiting:
+                    stopped = budget.exhausted(self._evaluated, self._best_fitness()) or (
+                        "no new candidate found in max_dedup_tries proposals (the space may be exhausted)")
                     break
-                item = executor.next_result(timeout=0.5)
+                item = executor.next_result(timeout=0.5 if executor.in_flight else 0.05)
                 if item is not None:
                     self._commit(*item)
                 if time.monotonic() - last_snapshot > 5.0:
@@ -109,12 +111,13 @@ class Search:
                     last_snapshot = time.monotonic()
                 reason = budget.exhausted(self._evaluated, self._best_fitness())
                 if reason and not budget.may_submit(self._evaluated, 0):
-                    # let in-flight work finish only when the evaluation budget is what ran out
+                    # in-flight work finishes when the evaluation budget ran out; not past a time limit
                     if reason.startswith("reached max_evals") and executor.in_flight:
                         continue
                     stopped = reason
                     break
         finally:
+            self.proposer.close()
             if self._executor is None:
                 executor.close()
         self._snapshot(budget.elapsed())
@@ -127,68 +130,30 @@ class Search:
             counts=self.store.counts_by_status(),
             best=self._best,
             qd=self._qd(),
-            duplicates=self.duplicates,
+            duplicates=self.proposer.duplicates,
             resumed_pending=resumed,
         )
         self.reporter.finish(summary)
         return summary
 
-    # --- proposals ------------------------------------------------------------------------------
+    # --- the initial population -----------------------------------------------------------------
 
     def _initial_population(self) -> list[Candidate]:
         """The task's seeds and ``initial_random`` samples, each derived from (seed, index)."""
-        out = []
         genomes = [(g, "seed") for g in self.task.seeds()]
         seed = self.config.search.seed
         for i in range(self.config.search.initial_random):
             rng = np.random.default_rng([seed, 0, i])
             genomes.append((Genome(params=self.space.sample(rng)), "random"))
-        for genome, op in genomes:
-            cand = self._add_pending(genome, [], op)
-            if cand is not None:
-                out.append(cand)
-        return out
+        return [c for g, op in genomes if (c := self.proposer.add(g, [], op)) is not None]
 
-    def _propose(self) -> Candidate | None:
-        """Selects parents, applies a weighted operator; retries on duplicates up to a limit."""
-        for _ in range(self.config.search.max_dedup_tries):
-            counter = int(self.store.get_meta("proposals") or 0)
-            self.store.set_meta("proposals", str(counter + 1))
-            rng = np.random.default_rng([self.config.search.seed, 1, counter])
-            ctx = ProposalContext(space=self.space, rng=rng)
-            elites = self.archive.elites()
-            name = self._op_names[int(rng.choice(len(self._op_names), p=self._op_p))]
-            op = self.operators[name]
-            if not elites or op.arity == 0:
-                op = self.operators.get("random") or RandomSample()
-                parents: list[Any] = []
-            else:
-                parents = select_parents(elites, op.arity, rng, self.config.search.selection, self.curiosity)
-            child = op.propose([self._genome(p.id) for p in parents], ctx)
-            if child is None:
-                continue
-            cand = self._add_pending(child, [p.id for p in parents], op.name)
-            if cand is not None:
-                return cand
-            self.duplicates += 1
-        log.warning("no new candidate after %d tries (duplicates or invalid children)",
-                    self.config.search.max_dedup_tries)
-        return None
-
-    def _add_pending(self, genome: Genome, parents: list[str], operator: str) -> Candidate | None:
-        """Writes the candidate as pending before it is evaluated; ``None`` if its id is already stored."""
-        if not self.store.add_pending(genome=genome, parents=parents, operator=operator):
-            return None
-        self._parents[genome.id] = parents
-        self._genomes[genome.id] = genome
-        return self.store.get(genome.id)
-
-    def _genome(self, cid: str) -> Genome:
-        if cid not in self._genomes:
-            cand = self.store.get(cid)
-            assert cand is not None, cid
-            self._genomes[cid] = cand.genome
-        return self._genomes[cid]
+    def _requeue_pending(self) -> list[Candidate]:
+        pending = self.store.pending()
+        for cand in pending:
+            self.proposer.parents_of[cand.id] = list(cand.parents)
+        if pending:
+            log.info("re-queued %d pending candidates", len(pending))
+        return pending
 
     def _request(self, cand: Candidate) -> EvalRequest:
         return EvalRequest(
@@ -215,11 +180,10 @@ class Search:
         if result.status != Status.OK or result.fitness is None:
             status = AddStatus.NOT_ADDED
         else:
-            vec = [descriptors[n] for n in self.config.archive.descriptors]
-            status = self.archive.add(cid, result.fitness, vec)
+            status = self.archive.add(cid, result.fitness, descriptors)
             if self._best is None or result.fitness > (self._best.fitness or 0.0):
                 self._best = self.store.get(cid)
-        parents = self._parents.pop(cid, None)
+        parents = self.proposer.parents_of.pop(cid, None)
         if parents is None:
             cand = self.store.get(cid)
             parents = list(cand.parents) if cand else []
@@ -236,17 +200,8 @@ class Search:
         """Rebuilds archive, curiosity and best from the store (a resumed run continues where it was)."""
         for cand in self.store.evaluated():
             self._evaluated += 1
-            result = EvalResult(status=Status(cand.status), fitness=cand.fitness)
-            self._parents[cand.id] = list(cand.parents)
-            self._place(cand.id, result, cand.descriptors)
-
-    def _requeue_pending(self) -> list[Candidate]:
-        pending = self.store.pending()
-        for cand in pending:
-            self._parents[cand.id] = list(cand.parents)
-        if pending:
-            log.info("re-queued %d pending candidates", len(pending))
-        return pending
+            self.proposer.parents_of[cand.id] = list(cand.parents)
+            self._place(cand.id, EvalResult(status=Status(cand.status), fitness=cand.fitness), cand.descriptors)
 
     # --- stats ----------------------------------------------------------------------------------
 
@@ -262,4 +217,3 @@ class Search:
         qd = self._qd()
         self.store.add_qd_snapshot(evals=self._evaluated, elapsed_s=elapsed, coverage=qd["coverage"],
                                    qd_score=qd["qd_score"], best=qd["best"], mean=qd["mean"])
-

@@ -47,6 +47,10 @@ class Failure(Exception):
         self.status = status
 
 
+class _Done(Exception):
+    """A partial cascade (``request.stages``) reached its last stage."""
+
+
 def guarded_empty(shape: tuple[int, ...], dtype: Any) -> tuple[np.ndarray, np.ndarray]:
     """A 64-byte-aligned array between two sentinel guard zones: ``(raw bytes, the array)``."""
     dtype = np.dtype(dtype)
@@ -196,6 +200,8 @@ def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult
             kernel = load_kernel(built.path, task.kernel_name)
         except CompileError as exc:
             raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
+        if request.stages == "compile":
+            raise _Done
 
         t0 = time.perf_counter()
         for _ in range(settings.check_trials):
@@ -205,6 +211,8 @@ def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult
         full_case = task.full_case()
         inst = _check(task, kernel, full_case, clock)
         timings["check_s"] = time.perf_counter() - t0
+        if request.stages == "check":
+            raise _Done
 
         t0 = time.perf_counter()
         call = kernel.bind(task.kernel_args(full_case, inst.arrays))
@@ -247,6 +255,8 @@ def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult
                 raise Failure(exc.status, f"{exc} {note}") from None
             metrics["flagged"] = True
         status, fitness, error = Status.OK, work / median, None
+    except _Done:
+        status, fitness, error = Status.OK, None, None
     except Failure as exc:
         status, fitness, error = exc.status, None, str(exc)
     finally:

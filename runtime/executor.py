@@ -4,7 +4,7 @@ a cluster executor (e.g. Ray) implements the same protocol."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from genome import Genome
 from runtime.result import EvalResult
@@ -23,6 +23,9 @@ class EvalRequest:
     settings: EvalSettings
     cache_dir: str  # compile cache (shared by the workers of a run)
     sys_path: tuple[str, ...] = field(default=())  # extra import paths for a user's task module
+    # how far the cascade goes: "compile" stops after compiling, "check" after the correctness checks
+    # (no timing, no lock), "full" times it too. Partial runs end ``ok`` without a fitness.
+    stages: Literal["compile", "check", "full"] = "full"
 
 
 class Executor(Protocol):

@@ -1,10 +1,20 @@
 """Variation operators: one protocol, one small module per family."""
 
-from evo.operators._base import Operator, ProposalContext
+from evo.operators._base import Operator, Proposal, ProposalContext
 from evo.operators.classical import Crossover, Mutate, RandomSample
 from evo.operators.codec import GeneCodec, seeded_random
 
-__all__ = ["Crossover", "GeneCodec", "Mutate", "Operator", "ProposalContext", "RandomSample", "seeded_random"]
+__all__ = [
+    "Crossover",
+    "GeneCodec",
+    "Mutate",
+    "Operator",
+    "Proposal",
+    "ProposalContext",
+    "RandomSample",
+    "build_operators",
+    "seeded_random",
+]
 
 
 def build_operators(config) -> dict[str, Operator]:  # noqa: ANN001 - evo.config.OperatorsConfig

@@ -1,28 +1,58 @@
-"""The operator protocol: given parents, propose one child genome."""
+"""The operator protocol: given a context (parents and their results, the space, ...), propose a child."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
+from archive import Candidate, Store
 from genome import Genome, ParamSpace
+from runtime import Task
 
-__all__ = ["Operator", "ProposalContext"]
+__all__ = ["Operator", "Proposal", "ProposalContext"]
 
 
 @dataclass(frozen=True)
 class ProposalContext:
-    """What an operator may use: the space to stay inside and a generator owned by this proposal."""
+    """What an operator may use. ``rng`` is owned by this one proposal (derived from seed and counter).
+
+    ``parents`` are stored candidates with their full results; ``inspirations`` are elites of other
+    cells; ``hints`` are memory hits for the parents (empty without a memory).
+    """
 
     space: ParamSpace
     rng: np.random.Generator
+    task: Task | None = None
+    parents: Sequence[Candidate] = ()
+    inspirations: Sequence[Candidate] = ()
+    hints: Sequence[Any] = ()
+
+    @property
+    def parent_genomes(self) -> list[Genome]:
+        return [p.genome for p in self.parents]
+
+
+@dataclass
+class Proposal:
+    """An operator's answer: a child genome, or ``None`` when it tried and produced nothing valid.
+
+    ``on_commit(store, candidate_id)`` runs in the controller's thread once the child is stored
+    (``candidate_id`` is ``None`` when there was no child or it was a duplicate): operators record
+    what they did (e.g. model calls) through it, since the store belongs to the controller's thread.
+    """
+
+    genome: Genome | None
+    on_commit: Callable[[Store, str | None], None] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 class Operator(Protocol):
     name: str
     arity: int  # parents it needs (0 for operators that sample from scratch)
+    blocking: bool  # True when a proposal waits on something slow (a model): run off the controller's thread
 
-    def propose(self, parents: list[Genome], ctx: ProposalContext) -> Genome | None:
-        """A child genome, or ``None`` when this operator has nothing valid to offer."""
+    def propose(self, ctx: ProposalContext) -> Genome | Proposal | None:
+        """A child genome (or a :class:`Proposal`), or ``None`` when this operator has nothing to offer."""

@@ -34,12 +34,13 @@ def _child(parent: Genome, params: dict, ctx: ProposalContext) -> Genome | None:
 class Mutate:
     name = "mutate"
     arity = 1
+    blocking = False
 
     def __init__(self, config: OperatorsConfig) -> None:
         self.cfg = config.mutation
 
-    def propose(self, parents: list[Genome], ctx: ProposalContext) -> Genome | None:
-        (parent,) = parents
+    def propose(self, ctx: ProposalContext) -> Genome | None:
+        (parent,) = ctx.parent_genomes
         if not ctx.space.params:
             return None
         codec = GeneCodec(ctx.space)
@@ -71,12 +72,13 @@ class Mutate:
 class Crossover:
     name = "crossover"
     arity = 2
+    blocking = False
 
     def __init__(self, config: OperatorsConfig) -> None:
         self.indpb = config.crossover_indpb
 
-    def propose(self, parents: list[Genome], ctx: ProposalContext) -> Genome | None:
-        a, b = parents
+    def propose(self, ctx: ProposalContext) -> Genome | None:
+        a, b = ctx.parent_genomes
         if not ctx.space.params:
             return None
         codec = GeneCodec(ctx.space)
@@ -95,8 +97,9 @@ class RandomSample:
 
     name = "random"
     arity = 0
+    blocking = False
 
-    def propose(self, parents: list[Genome], ctx: ProposalContext) -> Genome | None:
+    def propose(self, ctx: ProposalContext) -> Genome | None:
         if not ctx.space.params:
             return None
         return Genome(params=ctx.space.sample(ctx.rng))

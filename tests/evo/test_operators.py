@@ -19,8 +19,15 @@ SPACE = ParamSpace.from_dict({
 })
 
 
-def ctx(seed: int) -> ProposalContext:
-    return ProposalContext(space=SPACE, rng=np.random.default_rng(seed))
+class Stored:
+    """Stands for an archive.Candidate: operators read only its genome here."""
+
+    def __init__(self, genome: Genome) -> None:
+        self.genome = genome
+
+
+def ctx(seed: int, *parents: Genome) -> ProposalContext:
+    return ProposalContext(space=SPACE, rng=np.random.default_rng(seed), parents=[Stored(g) for g in parents])
 
 
 def test_codec_round_trips_members():
@@ -34,16 +41,16 @@ def test_codec_round_trips_members():
 def test_mutation_gives_a_valid_different_child_reproducibly():
     parent = Genome(SPACE.sample(np.random.default_rng(1)))
     op = Mutate(OperatorsConfig())
-    children = [op.propose([parent], ctx(s)) for s in range(30)]
+    children = [op.propose(ctx(s, parent)) for s in range(30)]
     assert all(c is not None and SPACE.is_valid(c.params) and c.params != parent.params for c in children)
-    assert [c.id for c in children] == [op.propose([parent], ctx(s)).id for s in range(30)]
+    assert [c.id for c in children] == [op.propose(ctx(s, parent)).id for s in range(30)]
     assert len({c.id for c in children}) > 10
 
 
 def test_index_mutation_moves_locally():
     parent = Genome({"MR": 8, "NR": 16, "ALPHA": 1.0, "ORDER": "ijk"})
     cfg = OperatorsConfig(mutation={"indpb": 1.0, "index_sigma": 0.5})
-    steps = [abs(Mutate(cfg).propose([parent], ctx(s)).params["MR"] - 8) // 2 for s in range(100)]
+    steps = [abs(Mutate(cfg).propose(ctx(s, parent)).params["MR"] - 8) // 2 for s in range(100)]
     # repair may resample a gene to meet a constraint; typical steps stay small
     assert np.median(steps) <= 1 and np.mean(steps) < 2
 
@@ -53,7 +60,7 @@ def test_crossover_mixes_parents():
     b = Genome({"MR": 16, "NR": 16, "ALPHA": 9.0, "ORDER": "jik"})
     op = Crossover(OperatorsConfig())
     for s in range(20):
-        child = op.propose([a, b], ctx(s))
+        child = op.propose(ctx(s, a, b))
         assert child is not None and SPACE.is_valid(child.params)
         for k, v in child.params.items():
             assert v in (a.params[k], b.params[k]) or not SPACE.is_valid({**a.params, k: v})
@@ -61,14 +68,14 @@ def test_crossover_mixes_parents():
 
 def test_children_of_a_code_genome_without_params_use_the_template():
     naive = Genome(params={}, source="void kernel(void) {}")
-    child = Mutate(OperatorsConfig()).propose([naive], ctx(0))
+    child = Mutate(OperatorsConfig()).propose(ctx(0, naive))
     assert child.source is None and SPACE.is_valid(child.params)
     evolved = Genome(params=SPACE.sample(np.random.default_rng(0)), source="/* evolved */")
-    assert Mutate(OperatorsConfig()).propose([evolved], ctx(0)).source == "/* evolved */"
+    assert Mutate(OperatorsConfig()).propose(ctx(0, evolved)).source == "/* evolved */"
 
 
 def test_random_sample_is_valid():
-    assert SPACE.is_valid(RandomSample().propose([], ctx(3)).params)
+    assert SPACE.is_valid(RandomSample().propose(ctx(3)).params)
 
 
 def test_seeded_random_restores_global_state():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -102,3 +103,13 @@ def test_kernel_that_writes_garbage_on_later_calls_is_caught(workdir, task, ctx)
     lazy = f"static int seen = 0; if (n >= 1000 && ++seen > 2) {garbage} " + CORRECT
     r = _eval(workdir, task, ctx, lazy)
     assert r.status is Status.WRONG and "max error" in r.error, r.error
+
+
+@pytest.mark.parametrize(("stages", "has_check", "has_time"), [("compile", False, False), ("check", True, False)])
+def test_partial_cascades_stop_early_without_fitness(workdir, task, ctx, stages, has_check, has_time):
+    req = dataclasses.replace(request(workdir, kernel(CORRECT)), stages=stages)
+    r = evaluate(req, task, ctx)
+    assert r.status is Status.OK and r.fitness is None
+    assert ("check_s" in r.timings) is has_check and ("time_s" in r.timings) is has_time
+    wrong = dataclasses.replace(request(workdir, kernel("")), stages=stages)
+    assert evaluate(wrong, task, ctx).status is (Status.OK if stages == "compile" else Status.WRONG)

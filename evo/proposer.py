@@ -1,0 +1,154 @@
+"""Turns the archive into new candidates: parent selection, a weighted operator, dedup, storage.
+
+Proposals are reproducible: each draws from ``numpy.random.default_rng([seed, 1, counter])`` with a
+counter persisted in the store. Operators that block on something slow (a model endpoint) run on a
+small thread pool, so the workers stay busy with other proposals meanwhile; their children join the
+queue when ready. Every child is written to the store as ``pending`` before it is evaluated.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from archive import Archive, Candidate, Store
+from evo.config import RunConfig
+from evo.operators import Operator, Proposal, ProposalContext, RandomSample
+from evo.selection import Curiosity, select_parents
+from genome import Genome, ParamSpace
+from runtime import Task
+
+__all__ = ["Proposer"]
+
+log = logging.getLogger("evo.search")
+
+_INSPIRATIONS = 3
+
+
+class Proposer:
+    def __init__(
+        self,
+        *,
+        config: RunConfig,
+        task: Task,
+        space: ParamSpace,
+        store: Store,
+        archive: Archive,
+        operators: dict[str, Operator],
+        weights: dict[str, float],
+        curiosity: Curiosity,
+        hints: Any = None,  # callable(parents) -> list of memory hits, when a memory is configured
+        max_blocking: int = 2,
+    ) -> None:
+        self.config, self.task, self.space, self.store, self.archive = config, task, space, store, archive
+        self.operators = operators
+        self.curiosity = curiosity
+        self._hints = hints
+        self._names = [n for n in operators if weights.get(n, 0.0) > 0]
+        p = np.array([weights[n] for n in self._names], dtype=float)
+        self._p = p / p.sum()
+        self._blocking: ThreadPoolExecutor | None = None
+        self._max_blocking = max_blocking
+        self._futures: dict[Future[Proposal | Genome | None], tuple[str, list[str]]] = {}
+        self.parents_of: dict[str, list[str]] = {}
+        self.duplicates = 0
+
+    # --- the two ways candidates come out -------------------------------------------------------
+
+    def propose(self) -> Candidate | None:
+        """A new stored candidate now, from a non-blocking operator; blocking ones are started on the side.
+
+        ``None`` after ``max_dedup_tries`` proposals that were all duplicates or invalid.
+        """
+        for _ in range(self.config.search.max_dedup_tries):
+            rng = self._next_rng()
+            op = self.operators[self._names[int(rng.choice(len(self._names), p=self._p))]]
+            elites = self.archive.elites()
+            if not elites or op.arity == 0:
+                op = self.operators.get("random") or RandomSample()
+            if op.blocking:
+                if len(self._futures) < self._max_blocking:
+                    self._start_blocking(op, self._context(op, elites, rng))
+                continue
+            ctx = self._context(op, elites, rng)
+            cand = self._store(op, ctx, op.propose(ctx))
+            if cand is not None:
+                return cand
+        log.warning("no new candidate after %d tries (duplicates or invalid children)",
+                    self.config.search.max_dedup_tries)
+        return None
+
+    def harvest(self) -> list[Candidate]:
+        """Stored candidates from blocking proposals that have finished."""
+        done = [f for f in self._futures if f.done()]
+        out = []
+        for f in done:
+            op_name, parents = self._futures.pop(f)
+            try:
+                answer = f.result()
+            except Exception:  # noqa: BLE001 - an operator's bug costs one proposal, not the run
+                log.exception("operator %s failed", op_name)
+                continue
+            cand = self._store_answer(op_name, parents, answer)
+            if cand is not None:
+                out.append(cand)
+        return out
+
+    @property
+    def waiting(self) -> int:
+        """Blocking proposals still running."""
+        return len(self._futures)
+
+    def close(self) -> None:
+        if self._blocking is not None:
+            self._blocking.shutdown(wait=False, cancel_futures=True)
+
+    # --- storing --------------------------------------------------------------------------------
+
+    def add(self, genome: Genome, parents: list[str], operator: str) -> Candidate | None:
+        """Stores ``genome`` as pending; ``None`` if its id is already stored (dedup)."""
+        if not self.store.add_pending(genome=genome, parents=parents, operator=operator):
+            self.duplicates += 1
+            return None
+        self.parents_of[genome.id] = parents
+        return self.store.get(genome.id)
+
+    def _store(self, op: Operator, ctx: ProposalContext, answer: Proposal | Genome | None) -> Candidate | None:
+        return self._store_answer(op.name, [p.id for p in ctx.parents], answer)
+
+    def _store_answer(self, op_name: str, parents: list[str], answer: Proposal | Genome | None) -> Candidate | None:
+        proposal = answer if isinstance(answer, Proposal) else Proposal(genome=answer)
+        cand = self.add(proposal.genome, parents, op_name) if proposal.genome is not None else None
+        if proposal.on_commit is not None:
+            proposal.on_commit(self.store, cand.id if cand else None)
+        return cand
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _next_rng(self) -> np.random.Generator:
+        counter = int(self.store.get_meta("proposals") or 0)
+        self.store.set_meta("proposals", str(counter + 1))
+        return np.random.default_rng([self.config.search.seed, 1, counter])
+
+    def _context(self, op: Operator, elites: list[Any], rng: np.random.Generator) -> ProposalContext:
+        chosen = select_parents(elites, op.arity, rng, self.config.search.selection, self.curiosity) if op.arity else []
+        parents = self.store.get_many([e.id for e in chosen])
+        by_id = {p.id: p for p in parents}
+        parents = [by_id[e.id] for e in chosen]
+        inspirations: list[Candidate] = []
+        if op.blocking and elites:
+            taken = {e.id for e in chosen}
+            others = [e for e in elites if e.id not in taken]
+            idx = rng.permutation(len(others))[:_INSPIRATIONS]
+            inspirations = self.store.get_many([others[int(i)].id for i in idx])
+        hints = self._hints(parents) if (op.blocking and self._hints is not None) else ()
+        return ProposalContext(space=self.space, rng=rng, task=self.task, parents=parents,
+                               inspirations=inspirations, hints=hints)
+
+    def _start_blocking(self, op: Operator, ctx: ProposalContext) -> None:
+        if self._blocking is None:
+            self._blocking = ThreadPoolExecutor(max_workers=self._max_blocking, thread_name_prefix="evo-propose")
+        self._futures[self._blocking.submit(op.propose, ctx)] = (op.name, [p.id for p in ctx.parents])
