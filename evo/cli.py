@@ -182,7 +182,10 @@ def export(run_dir: Path, candidate_id: str, output: Path) -> None:
     rd = _open(run_dir)
     cand = _get(rd, candidate_id)
     task = rd.frozen_config().make_task()
-    output.write_text(task.render(cand.genome))
+    try:
+        output.write_text(task.render(cand.genome))
+    except OSError as exc:
+        raise UserError(f"cannot write {output}: {exc.strerror} (choose another path with -o)") from None
     click.echo(f"wrote {output} ({task.signature})")
 
 
@@ -233,10 +236,11 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"error: {exc.format_message()} (see evo --help)", err=True)
         sys.exit(exc.exit_code)
     except Exception:
-        log.exception("internal error")
         import traceback
 
         traceback.print_exc()
+        if logging.getLogger().handlers:  # the run's log file keeps the traceback too
+            log.exception("internal error")
         click.echo("internal error: the traceback is above; please report it", err=True)
         sys.exit(1)
     sys.exit(0)

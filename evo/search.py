@@ -91,8 +91,8 @@ class Search:
         executor = self._executor or self.run_dir.make_pool(self.workers)
         self.reporter.start(total=self.config.budget.max_evals, done=self._evaluated, workers=self.workers)
         self.reporter.note(
-            f"run dir {self.run_dir.path}: task {self.task.name} {dict(self.config.task.args)}, {self.workers} workers, "
-            f"{len(queue)} queued ({resumed} resumed), fitness in {self.task.unit}"
+            f"run dir {self.run_dir.path}: task {self.task.name} {dict(self.config.task.args)}, "
+            f"{self.workers} workers, {len(queue)} queued ({resumed} resumed), fitness in {self.task.unit}"
         )
         last_snapshot, stopped = 0.0, ""
         try:

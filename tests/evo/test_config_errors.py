@@ -96,3 +96,15 @@ def test_ready_configs_validate():
     for path in sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml")):
         config = load_config(path)
         assert config.make_task().space() is not None
+
+
+def test_export_to_an_unwritable_path_is_a_user_error(tmp_path):
+    cfg = write(tmp_path, merged(budget={"max_evals": 1}, search={"workers": 1, "initial_random": 0},
+                                 evaluation={"timing": {"max_seconds": 0.05}}))
+    assert evo("run", str(cfg), "--run-dir", str(tmp_path / "run"), cwd=tmp_path).returncode == 0
+    import sqlite3
+
+    (cid,) = sqlite3.connect(tmp_path / "run" / "archive.db").execute("SELECT id FROM candidates").fetchone()
+    target = str(tmp_path / "no" / "such" / "x.c")
+    proc = evo("archive", "export", str(tmp_path / "run"), cid, "-o", target, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: cannot write") and "Traceback" not in proc.stderr
