@@ -5,12 +5,14 @@ from archive._candidate import Candidate
 from archive._cvt import CVTArchive
 from archive._errors import AmbiguousIdError, CandidateNotFoundError, SchemaVersionError, StoreError
 from archive._grid import GridArchive
-from archive._query import LAYOUT_KEY, best_per_cell, load_archive, rebuild_archive, save_layout
+from archive._llm import OUTCOME_RANK, LLMCall
+from archive._query import LAYOUT_KEY, best_per_cell, load_archive, operator_stats, rebuild_archive, save_layout
 from archive._schema import SCHEMA_VERSION
 from archive._store import PendingEntry, Store
 
 __all__ = [
     "LAYOUT_KEY",
+    "OUTCOME_RANK",
     "SCHEMA_VERSION",
     "AddStatus",
     "AmbiguousIdError",
@@ -21,6 +23,7 @@ __all__ = [
     "Descriptors",
     "Elite",
     "GridArchive",
+    "LLMCall",
     "PendingEntry",
     "QDSnapshot",
     "QDStats",
@@ -29,6 +32,7 @@ __all__ = [
     "StoreError",
     "best_per_cell",
     "load_archive",
+    "operator_stats",
     "rebuild_archive",
     "save_layout",
 ]

@@ -14,7 +14,7 @@ from archive._errors import StoreError
 from archive._store import Store
 from runtime.result import Status
 
-__all__ = ["LAYOUT_KEY", "best_per_cell", "load_archive", "rebuild_archive", "save_layout"]
+__all__ = ["LAYOUT_KEY", "best_per_cell", "load_archive", "operator_stats", "rebuild_archive", "save_layout"]
 
 LAYOUT_KEY = "archive_layout"
 """The ``meta`` key holding the archive's :meth:`Archive.layout` as JSON (CVT centroids included)."""
@@ -50,3 +50,27 @@ def best_per_cell(store: Store, archive: Archive, k: int | None = None) -> list[
     elites = sorted(archive.elites(), key=lambda e: -e.fitness)[:k]
     found = {c.id: c for c in store.get_many([e.id for e in elites])}
     return [(e, found[e.id]) for e in elites if e.id in found]
+
+
+def operator_stats(store: Store) -> dict[str, dict[str, int]]:
+    """Per operator: proposals, applied, compiled, correct, improved (entered the archive), tokens.
+
+    Classical operators propose what they store; a model-backed operator's proposals also count the
+    answers that were rejected or failed (from ``llm_calls``). ``improved`` replays the archive.
+    """
+    archive = load_archive(store)
+    out: dict[str, dict[str, int]] = {}
+    for c in store.evaluated():
+        row = out.setdefault(c.operator, dict.fromkeys(("proposals", "applied", "compiled", "correct", "improved",
+                                                        "tokens"), 0))
+        row["proposals"] += 1
+        row["applied"] += 1
+        row["compiled"] += c.status != Status.COMPILE_ERROR
+        row["correct"] += c.status == Status.OK
+        row["improved"] += c.status == Status.OK and archive.add(c.id, c.fitness, c.descriptors).added
+    for name, llm in store.llm_stats("operator").items():
+        row = out.setdefault(name, dict.fromkeys(("proposals", "applied", "compiled", "correct", "improved",
+                                                  "tokens"), 0))
+        row["proposals"] = max(row["proposals"], llm["proposals"])
+        row["tokens"] = llm["tokens_in"] + llm["tokens_out"]
+    return out

@@ -17,7 +17,7 @@ from archive._errors import SchemaVersionError
 
 __all__ = ["SCHEMA_VERSION", "ensure_schema"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _DDL = (
     "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -56,8 +56,39 @@ _DDL = (
     )""",
 )
 
-# from_version -> statements that bring a store to from_version + 1 (none yet: version 1 is the first).
-_MIGRATIONS: dict[int, tuple[str, ...]] = {}
+# Version 2: model calls of LLM-guided operators, and their responses cached by prompt hash.
+_LLM_DDL = (
+    """CREATE TABLE llm_calls (
+        seq          INTEGER PRIMARY KEY,       -- order of recording
+        at           REAL NOT NULL,             -- unix seconds the answer arrived
+        proposal     TEXT NOT NULL,             -- one proposal may make several calls (a retry, agent steps)
+        operator     TEXT NOT NULL,             -- llm_diff, llm_rewrite, llm_params, agentic
+        model        TEXT NOT NULL,
+        prompt_hash  TEXT NOT NULL,             -- sha256 of (model, messages, sampling, tools)
+        slot         INTEGER NOT NULL,          -- n-th ask of this prompt in a session (the cache key with the hash)
+        cached       INTEGER NOT NULL,          -- 1: replayed from llm_responses, nothing paid
+        tokens_in    INTEGER NOT NULL DEFAULT 0,
+        tokens_out   INTEGER NOT NULL DEFAULT 0,
+        latency_s    REAL NOT NULL DEFAULT 0,
+        outcome      TEXT NOT NULL,             -- error rejected step duplicate applied compiled correct improved
+        reason       TEXT,                      -- why it was rejected or failed
+        candidate_id TEXT,                      -- the child it produced (NULL when none)
+        transcript   TEXT                       -- JSON messages of an agentic loop (on its last call)
+    )""",
+    "CREATE INDEX llm_calls_candidate ON llm_calls(candidate_id)",
+    """CREATE TABLE llm_responses (
+        prompt_hash TEXT NOT NULL,
+        slot        INTEGER NOT NULL,
+        model       TEXT NOT NULL,
+        response    TEXT NOT NULL,              -- JSON: text, tool_calls, tokens_in, tokens_out
+        created_at  REAL NOT NULL,
+        PRIMARY KEY (prompt_hash, slot)
+    )""",
+)
+_DDL = _DDL + _LLM_DDL
+
+# from_version -> statements that bring a store to from_version + 1.
+_MIGRATIONS: dict[int, tuple[str, ...]] = {1: _LLM_DDL}
 
 
 def ensure_schema(conn: sqlite3.Connection, *, path: str, readonly: bool) -> None:

@@ -22,6 +22,7 @@ from urllib.parse import quote
 from archive._base import QDSnapshot
 from archive._candidate import COLUMNS, Candidate, dumps, from_row
 from archive._errors import AmbiguousIdError, CandidateNotFoundError, StoreError
+from archive._llm import LLMRecords
 from archive._schema import ensure_schema
 from genome import Genome, canonical_json
 from runtime.result import EvalResult, Status
@@ -34,12 +35,13 @@ PendingEntry = tuple[Genome, Sequence[str], str]
 _BATCH = 500  # ids per ``IN (...)`` and rows per page when iterating
 
 
-class Store:
+class Store(LLMRecords):
     """The SQLite store of one run (``archive.db``). Use one writer process; readers may be many.
 
     ``path`` is the database file, or a run directory holding ``archive.db``. A new file gets the
     current schema; an existing one must have a schema this version knows
     (:class:`SchemaVersionError` otherwise). ``readonly`` opens without ever writing.
+    Model calls and their cached answers: see :class:`archive._llm.LLMRecords`.
     """
 
     FILENAME = "archive.db"

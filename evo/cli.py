@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
-from archive import rebuild_archive
+from archive import operator_stats, rebuild_archive
 from evo.config import RunConfig, load_config
 from evo.errors import UserError
 from evo.rundir import RunDir
@@ -66,6 +66,7 @@ def run(config_path: Path, run_dir: Path | None, resume: bool, **overrides: Any)
         compiler_version(config.evaluation.compiler.cc)
     except CompilerNotFound as exc:
         raise UserError(str(exc)) from None
+    require_backend(config, config_path)  # e.g. a CUDA task without a GPU: one line, and the fix
     path = run_dir or Path("runs") / (config.name or config_path.stem)
     if resume:
         if overrides["seed"] is not None:
@@ -193,7 +194,8 @@ def export(run_dir: Path, candidate_id: str, output: Path) -> None:
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def stats(run_dir: Path, as_json: bool) -> None:
-    """QD metrics and counts by status and by operator."""
+    """QD metrics, counts by status, and per operator and per model: proposals, applied, compiled, correct,
+    improved, tokens."""
     rd = _open(run_dir)
     config = rd.frozen_config()
     task = config.make_task()
@@ -204,6 +206,8 @@ def stats(run_dir: Path, as_json: bool) -> None:
         "candidates": rd.store.count(),
         "by_status": rd.store.counts_by_status(),
         "by_operator": rd.store.counts_by_operator(),
+        "by_operator_detail": operator_stats(rd.store),
+        "llm": {"by_model": rd.store.llm_stats("model")},
         "archive": {"kind": config.archive.kind, "descriptors": names, "cells": qd.cells, "filled": qd.filled,
                     "coverage": qd.coverage, "qd_score": qd.qd_score, "qd_offset": config.archive.qd_offset,
                     "best": qd.best, "mean": qd.mean},
@@ -220,6 +224,21 @@ def stats(run_dir: Path, as_json: bool) -> None:
     con.print(f"archive ({a['kind']} over {', '.join(names)}): {a['filled']}/{a['cells']} cells, "
               f"coverage {a['coverage']:.1%}, QD-score {a['qd_score']:.1f} (offset {a['qd_offset']:g}), "
               f"best {a['best'] or 0:.2f} {task.unit}, mean elite {a['mean'] or 0:.2f} {task.unit}")
+    _stats_table(con, "per operator", out["by_operator_detail"])
+    if out["llm"]["by_model"]:
+        by_model = {m: {**r, "tokens": r["tokens_in"] + r["tokens_out"]} for m, r in out["llm"]["by_model"].items()}
+        _stats_table(con, "per model", by_model)
+
+
+def _stats_table(con: Console, title: str, rows: dict[str, dict[str, int]]) -> None:
+    cols = ("proposals", "applied", "compiled", "correct", "improved", "tokens")
+    table = Table(title=title)
+    table.add_column(title.split()[-1])
+    for col in cols:
+        table.add_column(col, justify="right")
+    for name, r in sorted(rows.items()):
+        table.add_row(name, *(str(r.get(c, 0)) for c in cols))
+    con.print(table)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -244,3 +263,10 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("internal error: the traceback is above; please report it", err=True)
         sys.exit(1)
     sys.exit(0)
+
+
+from evo.check_cli import check, require_backend  # noqa: E402 - a command in its own module
+from evo.memory_cli import memory  # noqa: E402 - a command group in its own module
+
+cli.add_command(memory)
+cli.add_command(check)

@@ -10,7 +10,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from archive.memory import MemorySettings
 from evo.errors import UserError
+from evo.llm import LLM_OPERATORS, LLMSettings
 from genome import ParamSpace, SpaceError, SpaceSpec
 from runtime import EvalSettings, Task, TaskLoadError, TaskSpec, load_task_class
 
@@ -67,9 +69,14 @@ class MutationConfig(_Model):
 class OperatorsConfig(_Model):
     """Variation operators and their weights (normalised; a zero weight disables one)."""
 
-    weights: dict[Literal["mutate", "crossover", "random"], float] = Field(
+    weights: dict[
+        Literal["mutate", "crossover", "random", "llm_diff", "llm_rewrite", "llm_params", "agentic"], float
+    ] = Field(
         default_factory=lambda: {"mutate": 0.7, "crossover": 0.2, "random": 0.1},
-        description="relative weight of each operator",
+        description="relative weight of each operator (llm_diff, llm_rewrite, llm_params, agentic need llm:)",
+    )
+    adaptive: bool = Field(
+        False, description="choose operators by a bandit rewarded when their children enter the archive"
     )
     mutation: MutationConfig = Field(default_factory=MutationConfig)
     crossover_indpb: float = Field(0.5, gt=0, le=1, description="per-gene swap probability of uniform crossover")
@@ -131,6 +138,10 @@ class RunConfig(_Model):
     space: SpaceSpec | None = Field(
         None, description="replaces the task's parameter space (params and constraints the template understands)"
     )
+    llm: LLMSettings | None = Field(None, description="language models as operators (none: classical operators only)")
+    memory: MemorySettings = Field(
+        default_factory=MemorySettings, description="the memory of discoveries shared by runs (seeds, hints, novelty)"
+    )
 
     def make_space(self, task: Task) -> ParamSpace:
         """The space the search explores: the config's override, else the task's own."""
@@ -175,6 +186,10 @@ def parse_config(data: Any, *, source: str, base_dir: Path | None = None) -> Run
         config.make_space(task)
     except SpaceError as exc:
         raise UserError(f"{source}: space: {exc}") from None
+    llm_weighted = [n for n in LLM_OPERATORS if config.search.operators.weights.get(n, 0) > 0]  # type: ignore[call-overload]
+    if llm_weighted and config.llm is None:
+        raise UserError(f"{source}: search.operators.weights: {', '.join(llm_weighted)} need an llm: section "
+                        "(add one, see configs/matmul_cpu_llm.yaml, or set their weights to 0)")
     offered = task.descriptors()
     for name in config.archive.descriptors:
         if name not in offered:

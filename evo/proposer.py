@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from archive import Archive, Candidate, Store
+from archive import AddStatus, Archive, Candidate, Store
+from evo.bandit import OperatorBandit
 from evo.config import RunConfig
-from evo.operators import Operator, Proposal, ProposalContext, RandomSample
+from evo.operators import Mutate, Operator, Proposal, ProposalContext, RandomSample
 from evo.selection import Curiosity, select_parents
 from genome import Genome, ParamSpace
 from runtime import Task
@@ -54,7 +55,13 @@ class Proposer:
         self._max_blocking = max_blocking
         self._futures: dict[Future[Proposal | Genome | None], tuple[str, list[str]]] = {}
         self.parents_of: dict[str, list[str]] = {}
+        self.op_of: dict[str, str] = {}  # candidate id -> operator, until its result is fed back
         self.duplicates = 0
+        self.novelty: Any = None  # callable(genome, parent sources) -> bool, when a memory is configured
+        self.novelty_rejected = 0
+        self.bandit = OperatorBandit(self._names) if config.search.operators.adaptive else None
+        # carries the run when every weighted operator rests (e.g. all are model-backed and the endpoint is down)
+        self._fallback = Mutate(config.search.operators)
 
     # --- the two ways candidates come out -------------------------------------------------------
 
@@ -64,8 +71,11 @@ class Proposer:
         ``None`` after ``max_dedup_tries`` proposals that were all duplicates or invalid.
         """
         for _ in range(self.config.search.max_dedup_tries):
+            names = self._ready()
+            if names is None:
+                return None  # only busy model-backed operators: wait for their children
             rng = self._next_rng()
-            op = self.operators[self._names[int(rng.choice(len(self._names), p=self._p))]]
+            op = self._draw(names, rng)
             elites = self.archive.elites()
             if not elites or op.arity == 0:
                 op = self.operators.get("random") or RandomSample()
@@ -103,8 +113,26 @@ class Proposer:
         return len(self._futures)
 
     def close(self) -> None:
+        """Keeps what finished proposals paid for (children stored as pending, calls recorded), drops the rest."""
+        self.harvest()
         if self._blocking is not None:
             self._blocking.shutdown(wait=False, cancel_futures=True)
+        for op in self.operators.values():
+            close = getattr(op, "close", None)
+            if close is not None:
+                close()
+
+    def feedback(self, cid: str, status: Any, add_status: AddStatus, *, parents: list[str]) -> None:
+        """What became of a candidate: rewards the bandit, lets its operator record it (``on_result``)."""
+        name = self.op_of.pop(cid, None)
+        op = self.operators.get(name) if name else None
+        if op is None:
+            return
+        if self.bandit is not None and parents:  # the initial population is no operator's doing
+            self.bandit.update(op.name, add_status.added)
+        on_result = getattr(op, "on_result", None)
+        if on_result is not None:
+            on_result(self.store, cid, status, add_status)
 
     # --- storing --------------------------------------------------------------------------------
 
@@ -114,6 +142,7 @@ class Proposer:
             self.duplicates += 1
             return None
         self.parents_of[genome.id] = parents
+        self.op_of[genome.id] = operator
         return self.store.get(genome.id)
 
     def _store(self, op: Operator, ctx: ProposalContext, answer: Proposal | Genome | None) -> Candidate | None:
@@ -121,7 +150,13 @@ class Proposer:
 
     def _store_answer(self, op_name: str, parents: list[str], answer: Proposal | Genome | None) -> Candidate | None:
         proposal = answer if isinstance(answer, Proposal) else Proposal(genome=answer)
-        cand = self.add(proposal.genome, parents, op_name) if proposal.genome is not None else None
+        genome = proposal.genome
+        if genome is not None and self.novelty is not None and genome.source is not None:
+            sources = [p.source for p in self.store.get_many(parents)]
+            if not self.novelty(genome, sources):
+                self.novelty_rejected += 1
+                genome = None
+        cand = self.add(genome, parents, op_name) if genome is not None else None
         if proposal.on_commit is not None:
             proposal.on_commit(self.store, cand.id if cand else None)
         return cand
@@ -132,6 +167,25 @@ class Proposer:
         counter = int(self.store.get_meta("proposals") or 0)
         self.store.set_meta("proposals", str(counter + 1))
         return np.random.default_rng([self.config.search.seed, 1, counter])
+
+    def _ready(self) -> list[str] | None:
+        """Operators able to propose now: a model-backed one is skipped while its slots are full or it rests
+        (endpoint down, budget spent). ``None`` when only busy ones remain; ``[]`` when all of them rest."""
+        full = len(self._futures) >= self._max_blocking
+        ready = {n: getattr(self.operators[n], "available", lambda: True)() for n in self._names}
+        names = [n for n in self._names if ready[n] and not (full and self.operators[n].blocking)]
+        return None if not names and any(ready.values()) else names
+
+    def _draw(self, names: list[str], rng: np.random.Generator) -> Operator:
+        """An operator by weight (or by the bandit) among ``names``; the fallback mutation when empty."""
+        if not names:
+            return self._fallback
+        if self.bandit is not None:
+            return self.operators[self.bandit.choose(names, rng)]
+        if len(names) == len(self._names):
+            return self.operators[self._names[int(rng.choice(len(self._names), p=self._p))]]
+        p = np.array([self._p[self._names.index(n)] for n in names])
+        return self.operators[names[int(rng.choice(len(names), p=p / p.sum()))]]
 
     def _context(self, op: Operator, elites: list[Any], rng: np.random.Generator) -> ProposalContext:
         chosen = select_parents(elites, op.arity, rng, self.config.search.selection, self.curiosity) if op.arity else []

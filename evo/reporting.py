@@ -100,6 +100,11 @@ class RichReporter:
             table.add_row("params", ", ".join(f"{k}={v}" for k, v in best.params.items()) or "(code genome)")
         else:
             table.add_row("best kernel", "none: no candidate passed its checks")
+        if summary.extra:
+            x = summary.extra
+            table.add_row("memory", f"{x['memory_seeds']} seeds from {len(x['seeded_from'])} earlier runs, "
+                                    f"{x['memory_recorded']} discoveries recorded, "
+                                    f"{x['novelty_rejected']} near-duplicates rejected")
         table.add_row("stored in", str(summary.run_dir / "archive.db"))
         table.add_row("next", f"evo archive best {summary.run_dir} --top 5")
         out.print(table)

@@ -20,6 +20,7 @@ import numpy as np
 from archive import AddStatus, Candidate, Store
 from evo.budget import Budget
 from evo.config import RunConfig
+from evo.memory_link import MemoryLink
 from evo.operators import Operator, build_operators
 from evo.proposer import Proposer
 from evo.reporting import Reporter, SilentReporter
@@ -71,14 +72,32 @@ class Search:
         self.workers = config.search.workers or len(os.sched_getaffinity(0))
         self._executor = executor
         self.curiosity = Curiosity()
+        self.memory = MemoryLink.open(config.memory, self.task, str(run_dir.path.resolve()), self.reporter.note)
         self.proposer = Proposer(
             config=config, task=self.task, space=self.space, store=self.store, archive=self.archive,
-            operators=operators or build_operators(config.search.operators),
+            operators=operators or {**build_operators(config.search.operators), **self._llm_operators()},
             weights=weights or dict(config.search.operators.weights), curiosity=self.curiosity,
+            max_blocking=sum(m.max_concurrency for m in config.llm.models) if config.llm else 2,
+            hints=self.memory.hints if self.memory else None,
         )
+        if self.memory:
+            self.proposer.novelty = self.memory.is_novel
         self._best: Candidate | None = None
         self._evaluated = 0
         self._session = 0
+
+    def _llm_operators(self) -> dict[str, Operator]:
+        """Model-backed operators, when the config has an ``llm:`` section (see evo.llm)."""
+        if self.config.llm is None:
+            return {}
+        from evo.llm.factory import build_llm_operators
+
+        def note(message: str) -> None:
+            log.warning("%s", message)
+            self.reporter.note(message)
+
+        return dict(build_llm_operators(self.config, store=self.store, task=self.task,
+                                        cache_dir=self.run_dir.cache_dir, log_dir=self.run_dir.log_dir, note=note))
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -94,6 +113,8 @@ class Search:
             f"run dir {self.run_dir.path}: task {self.task.name} {dict(self.config.task.args)}, "
             f"{self.workers} workers, {len(queue)} queued ({resumed} resumed), fitness in {self.task.unit}"
         )
+        if self.config.llm is None:
+            self.reporter.note("no llm: section in the config: the search runs on classical operators only")
         last_snapshot, stopped = 0.0, ""
         try:
             while True:
@@ -122,6 +143,8 @@ class Search:
                     break
         finally:
             self.proposer.close()
+            if self.memory:
+                self.memory.close()
             if self._executor is None:
                 executor.close()
         self._snapshot(budget.elapsed())
@@ -136,6 +159,7 @@ class Search:
             qd=self._qd(),
             duplicates=self.proposer.duplicates,
             resumed_pending=resumed,
+            extra=self._memory_summary(),
         )
         self.reporter.finish(summary)
         return summary
@@ -143,18 +167,37 @@ class Search:
     # --- the initial population -----------------------------------------------------------------
 
     def _initial_population(self) -> list[Candidate]:
-        """The task's seeds and ``initial_random`` samples, each derived from (seed, index)."""
-        genomes = [(g, "seed") for g in self.task.seeds()]
+        """Seeds from the memory, the task's seeds and ``initial_random`` samples, each derived from (seed, index)."""
         seed = self.config.search.seed
+        genomes = [(g, "memory") for g in self._memory_seeds()]
+        genomes += [(g, "seed") for g in self.task.seeds()]
         for i in range(self.config.search.initial_random):
             rng = np.random.default_rng([seed, 0, i])
             genomes.append((Genome(params=self.space.sample(rng)), "random"))
         return [c for g, op in genomes if (c := self.proposer.add(g, [], op)) is not None]
 
+    def _memory_seeds(self) -> list[Genome]:
+        if self.memory is None:
+            return []
+        from runtime.hardware import fingerprint
+
+        seeds = self.memory.seeds(self.space, fingerprint(self.config.evaluation.compiler.cc), self.config.search.seed)
+        if seeds:
+            runs = ", ".join(f"{run} ({n})" for run, n in self.memory.seeded_from.items())
+            self.reporter.note(f"memory: {len(seeds)} seeds from earlier runs: {runs}")
+        return seeds
+
+    def _memory_summary(self) -> dict[str, Any]:
+        if self.memory is None:
+            return {}
+        return {"memory_seeds": sum(self.memory.seeded_from.values()), "seeded_from": self.memory.seeded_from,
+                "memory_recorded": self.memory.recorded, "novelty_rejected": self.proposer.novelty_rejected}
+
     def _requeue_pending(self) -> list[Candidate]:
         pending = self.store.pending()
         for cand in pending:
             self.proposer.parents_of[cand.id] = list(cand.parents)
+            self.proposer.op_of[cand.id] = cand.operator
         if pending:
             log.info("re-queued %d pending candidates", len(pending))
         return pending
@@ -175,6 +218,10 @@ class Search:
         descriptors = self._describe(request.genome, result)
         self.store.record_result(request.key, result, descriptors=descriptors)
         status = self._place(request.key, result, descriptors)
+        if self.memory is not None:
+            cand = self.store.get(request.key)
+            if cand is not None:
+                self.memory.record(cand, result, improved=status != AddStatus.NOT_ADDED)
         self._evaluated += 1
         self._session += 1
         self.reporter.update(result=result, add_status=status, best=self._best_fitness(), qd=self._qd())
@@ -192,6 +239,7 @@ class Search:
             cand = self.store.get(cid)
             parents = list(cand.parents) if cand else []
         self.curiosity.update(parents, status != AddStatus.NOT_ADDED)
+        self.proposer.feedback(cid, result.status, status, parents=parents)
         return status
 
     def _describe(self, genome: Genome, result: EvalResult) -> dict[str, float]:
@@ -205,6 +253,7 @@ class Search:
         for cand in self.store.evaluated():
             self._evaluated += 1
             self.proposer.parents_of[cand.id] = list(cand.parents)
+            self.proposer.op_of[cand.id] = cand.operator
             self._place(cand.id, EvalResult(status=Status(cand.status), fitness=cand.fitness), cand.descriptors)
 
     # --- stats ----------------------------------------------------------------------------------

@@ -70,6 +70,11 @@ def _internal_error(ctx: WorkerContext | None) -> EvalResult:
 
 def _prime(task: Task) -> None:
     """Runs a task's Python paths once, so every module and file they read is loaded before the drop."""
+    if task.backend == "engine":  # loads its model, request texts and kernel sources itself
+        task.prime()  # type: ignore[attr-defined]
+        return
+    if task.backend == "cuda":  # opens the GPU context and loads the driver and reference libraries
+        task.prepare_worker()  # type: ignore[attr-defined]
     import numpy as np
 
     rng = np.random.default_rng(0)

@@ -176,6 +176,14 @@ def _check(task: Task, kernel: CKernel, case: Case, clock: _Clock) -> _Instance:
 
 def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult:
     """Runs the whole cascade for one request; a failing stage ends it with its status."""
+    if task.backend == "engine":  # an engine configuration, measured under load (runtime.engine)
+        from runtime.engine.evaluate import evaluate_engine
+
+        return evaluate_engine(request, task, ctx)  # type: ignore[arg-type]
+    if task.backend == "cuda":  # a CUDA kernel, on this worker's GPU (runtime.cuda_cascade)
+        from runtime.cuda_cascade import evaluate_cuda
+
+        return evaluate_cuda(request, task, ctx)  # type: ignore[arg-type]
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     metrics: dict[str, Any] = {}

@@ -31,7 +31,22 @@ PoolEvent = Callable[[str, dict[str, Any]], None]
 """``on_event(kind, info)``: ``worker_started``, ``worker_timeout``, ``worker_died`` (called from pool threads)."""
 
 
-def _profile(request: EvalRequest) -> WorkerProfile:
+def _gpu(request: EvalRequest, slot: int) -> str | None:
+    """The GPU a CUDA task's worker in ``slot`` is pinned to (slots take the visible GPUs in turn)."""
+    from runtime.task import TaskLoadError, load_task_class
+
+    try:
+        if load_task_class(request.task.name).backend != "cuda":
+            return None
+    except TaskLoadError:  # the worker reports it, with the request
+        return None
+    from runtime.backends.cuda_device import visible_gpus
+
+    gpus = visible_gpus()
+    return gpus[slot % len(gpus)] if gpus else None
+
+
+def _profile(request: EvalRequest, slot: int = 0) -> WorkerProfile:
     settings = request.settings
     return WorkerProfile(
         limits=settings.sandbox,
@@ -41,6 +56,7 @@ def _profile(request: EvalRequest) -> WorkerProfile:
         cc=settings.compiler.cc,
         sys_path=tuple(os.path.abspath(p) for p in request.sys_path),
         preload=(request.task,),
+        gpu=_gpu(request, slot),
     )
 
 
@@ -157,7 +173,7 @@ class LocalPool:
 
     def _evaluate(self, slot: int, request: EvalRequest) -> EvalResult:
         try:
-            proc = self._worker(slot, _profile(request))
+            proc = self._worker(slot, _profile(request, slot))
         except Exception as exc:  # noqa: BLE001
             return EvalResult(status=Status.INVALID, error=f"cannot start a worker: {exc}")
         limit = request.settings.sandbox.timeout

@@ -61,7 +61,7 @@ def sandbox_ids() -> tuple[int, int] | None:
     return pw.pw_uid, pw.pw_gid
 
 
-def scrubbed_env(threads: int, work_dir: str) -> dict[str, str]:
+def scrubbed_env(threads: int, work_dir: str, gpu: str | None = None) -> dict[str, str]:
     """The worker's whole environment: a few basics and thread counts, never the controller's secrets."""
     env = {k: os.environ[k] for k in _KEPT_ENV if k in os.environ}
     env.setdefault("PATH", os.defpath)
@@ -76,6 +76,8 @@ def scrubbed_env(threads: int, work_dir: str) -> dict[str, str]:
         PYTHONPATH=_PACKAGE_ROOT,
         PYTHONDONTWRITEBYTECODE="1",
     )
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     return env
 
 
@@ -153,6 +155,7 @@ class WorkerProfile:
     lock_file: str
     cc: str
     sys_path: tuple[str, ...] = ()
+    gpu: str | None = None  # CUDA_VISIBLE_DEVICES of the worker (a CUDA task's worker sees this one GPU)
     preload: tuple[TaskSpec, ...] = field(default=(), compare=False)  # tasks built and primed before the drop
 
 
@@ -246,7 +249,7 @@ class WorkerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.work_dir,
-                env=scrubbed_env(profile.threads, self.work_dir),
+                env=scrubbed_env(profile.threads, self.work_dir, profile.gpu),
                 start_new_session=True,
             )
         theirs.close()

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["CompilerSettings", "EvalSettings", "SandboxSettings", "TaskSpec", "TimingSettings"]
+__all__ = ["CompilerSettings", "CudaSettings", "EvalSettings", "SandboxSettings", "TaskSpec", "TimingSettings"]
 
 
 class _Model(BaseModel):
@@ -24,6 +24,17 @@ class CompilerSettings(_Model):
     cc: str = Field("cc", description="C compiler executable")
     flags: list[str] = Field(default_factory=lambda: ["-O3", "-march=native"], description="optimisation flags")
     timeout: float = Field(60.0, gt=0, description="seconds a compile may take")
+
+
+class CudaSettings(_Model):
+    """How CUDA candidates are compiled (nvcc) and timed; used by tasks whose backend is ``cuda``."""
+
+    nvcc: str = Field("nvcc", description="nvcc executable (else found under $CUDA_HOME or /usr/local/cuda)")
+    arch: str | None = Field(None, description="target, e.g. sm_90 (default: the GPU's own; sm_80 without a GPU)")
+    flags: list[str] = Field(default_factory=lambda: ["-O3"], description="nvcc optimisation flags")
+    fast_math: bool = Field(False, description="add --use_fast_math (changes numerics, so off by default)")
+    timeout: float = Field(120.0, gt=0, description="seconds an nvcc compile may take")
+    l2_flush: bool = Field(False, description="flush the GPU's L2 cache before every timed call (cold-cache timing)")
 
 
 class TimingSettings(_Model):
@@ -53,6 +64,7 @@ class EvalSettings(_Model):
     compiler: CompilerSettings = Field(default_factory=CompilerSettings)
     timing: TimingSettings = Field(default_factory=TimingSettings)
     sandbox: SandboxSettings = Field(default_factory=SandboxSettings)
+    cuda: CudaSettings = Field(default_factory=CudaSettings)
     check_trials: int = Field(3, ge=1, description="fresh random trials on the small/odd cases")
     implausible_speedup: float = Field(
         20.0, gt=1, description="vs_reference above this is re-verified on new inputs and flagged"

@@ -56,6 +56,8 @@ class Task(abc.ABC):
     """The C prototype every candidate must define, e.g. ``void kernel(int n, const float *x, float *y)``."""
     kernel_name: ClassVar[str] = "kernel"
     backend: ClassVar[str] = "c"
+    """How candidates are evaluated: ``c`` (the C cascade), ``cuda`` (runtime.cuda_cascade, on a GPU; see
+    runtime.cuda_task.CudaTask) or ``engine`` (runtime.engine, under load)."""
     Args: ClassVar[type[TaskArgs]] = TaskArgs
 
     def __init__(self, args: Mapping[str, Any] | None = None) -> None:
@@ -139,6 +141,10 @@ class TaskLoadError(ValueError):
 BUILTIN_TASKS: dict[str, str] = {
     "matmul": "runtime.tasks.matmul:Matmul",
     "softmax": "runtime.tasks.softmax:Softmax",
+    "layernorm": "runtime.tasks.layernorm:LayerNorm",
+    "matmul_cuda": "runtime.tasks.matmul_cuda:MatmulCuda",
+    "softmax_cuda": "runtime.tasks.softmax_cuda:SoftmaxCuda",
+    "engine": "runtime.engine.task:EngineTask",
 }
 
 

@@ -119,12 +119,14 @@ def time_interleaved(
     *,
     before: Callable[[], object] | None = None,
     after: Callable[[], object] | None = None,
+    timer: Callable[[Callable[[], object]], float] | None = None,
 ) -> TimingRun:
     """Times ``candidate`` and ``reference`` side by side (see the module docstring for when it stops).
 
     ``before`` and ``after`` run untimed around every timed candidate call: the cascade poisons the
     outputs before and checks they were written after, so a kernel cannot skip work once it has
-    passed its checks.
+    passed its checks. ``timer(fn)`` runs ``fn`` and returns its seconds (default: ``perf_counter``
+    around the call); the CUDA backend passes one that times with CUDA events.
     """
     clock = time.perf_counter_ns
     start = clock()
@@ -140,9 +142,12 @@ def time_interleaved(
             is_candidate = fn is candidate
             if is_candidate and before is not None:
                 before()
-            t0 = clock()
-            fn()
-            out.append((clock() - t0) * 1e-9)
+            if timer is None:
+                t0 = clock()
+                fn()
+                out.append((clock() - t0) * 1e-9)
+            else:
+                out.append(timer(fn))
             if is_candidate and after is not None:
                 after()
         if clock() >= deadline:

@@ -18,10 +18,10 @@ __all__ = [
 
 
 def build_operators(config) -> dict[str, Operator]:  # noqa: ANN001 - evo.config.OperatorsConfig
-    """The operators named in ``config.weights`` with a positive weight."""
+    """The classical operators named in ``config.weights`` with a positive weight (LLM ones: evo.llm.factory)."""
     available: dict[str, Operator] = {
         "mutate": Mutate(config),
         "crossover": Crossover(config),
         "random": RandomSample(),
     }
-    return {name: available[name] for name, w in config.weights.items() if w > 0}
+    return {name: available[name] for name, w in config.weights.items() if w > 0 and name in available}

@@ -30,3 +30,15 @@ def _cvt(**kw: Any) -> Archive:
 def make_archive(request: pytest.FixtureRequest) -> ArchiveFactory:
     """Builds an empty 2-descriptor archive (x in [0, 1], y in [-1, 1]) of each kind."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def minilm() -> Any:
+    """The real all-MiniLM-L6-v2 embedder, loaded once per session (skipped without the memory extra)."""
+    pytest.importorskip("faiss")
+    pytest.importorskip("sentence_transformers")
+    from archive.memory import MiniLMEmbedder
+
+    embedder = MiniLMEmbedder()
+    embedder.embed(["warm up"])
+    return embedder

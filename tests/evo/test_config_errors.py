@@ -100,7 +100,7 @@ def test_ready_configs_validate():
 
 def test_export_to_an_unwritable_path_is_a_user_error(tmp_path):
     cfg = write(tmp_path, merged(budget={"max_evals": 1}, search={"workers": 1, "initial_random": 0},
-                                 evaluation={"timing": {"max_seconds": 0.05}}))
+                                 evaluation={"timing": {"max_seconds": 0.05}}, memory={"enabled": False}))
     assert evo("run", str(cfg), "--run-dir", str(tmp_path / "run"), cwd=tmp_path).returncode == 0
     import sqlite3
 

@@ -39,6 +39,7 @@ def test_blocking_operator_children_are_stored_and_evaluated(tmp_path):
         "search": {"workers": 1, "initial_random": 2},
         "budget": {"max_evals": 14},
         "archive": {"descriptors": ["register_tile_area"], "bins": 2},
+        "memory": {"enabled": False},
     }, source="test")
     slow = SlowMutate()
     rd = RunDir.create(tmp_path / "run", config)

@@ -27,6 +27,7 @@ def test_the_readme_task_example_runs(tmp_path):
         "evaluation": {"timing": {"max_seconds": 0.2}},
         "budget": {"max_evals": 4},
         "archive": {"descriptors": ["source_lines"], "bins": 2},
+        "memory": {"enabled": False},
     }
     (tmp_path / "scale.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, "-m", "evo", "run", "scale.yaml"], cwd=tmp_path, capture_output=True,

@@ -23,6 +23,7 @@ def small_config(tmp_path: Path, *, max_evals: int, n: int = 192, seed: int = 0,
         "search": {"workers": 2, "seed": seed, "initial_random": 6},
         "budget": {"max_evals": max_evals, **budget},
         "archive": {"descriptors": ["register_tile_area", "cache_block_kib"], "bins": [4, 4]},
+        "memory": {"enabled": False},
     }
     p = tmp_path / "mm.yaml"
     p.write_text(yaml.safe_dump(cfg))
@@ -148,6 +149,7 @@ def test_the_user_task_example_runs_on_a_cvt_archive(tmp_path):
     cfg["archive"] = {"kind": "cvt", "descriptors": ["accumulators", "source_lines"], "cells": 8}
     cfg["budget"] = {"max_evals": 6}
     cfg["evaluation"] = {"timing": {"max_seconds": 0.3}}
+    cfg["memory"] = {"enabled": False}
     (root_cfg := tmp_path / "rms.yaml").write_text(yaml.safe_dump(cfg))
     # the task module sits beside the shipped config, not this copy: put it on the path
     (tmp_path / "rmsnorm_task.py").write_text((root / "configs" / "rmsnorm_task.py").read_text())

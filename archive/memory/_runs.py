@@ -1,0 +1,69 @@
+"""Reading a run directory's elites as memory entries (what ``evo memory add RUN_DIR`` stores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from archive._errors import StoreError
+from archive._query import rebuild_archive
+from archive._store import Store
+from archive.memory._db import MemoryStoreError
+from archive.memory._entry import MemoryEntry, summary_text
+from runtime.task import TaskLoadError, load_task_class
+
+__all__ = ["entries_from_run"]
+
+
+def _task_info(name: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], str | None, str, str]:
+    """The task's args with defaults filled in, its C signature, backend and description (raw args and
+    no signature if the task cannot be loaded here)."""
+    try:
+        cls = load_task_class(name)
+        return cls(args).args.model_dump(mode="json"), cls.signature, cls.backend, cls.description
+    except (TaskLoadError, ValueError, TypeError):
+        return dict(args), None, "c", ""
+
+
+def entries_from_run(run_dir: str | os.PathLike[str]) -> list[MemoryEntry]:
+    """An ``improvement`` entry per elite of the run's archive (its config gives the task; its store the
+    hardware each elite was measured on)."""
+    path = Path(run_dir)
+    try:
+        store = Store(path, readonly=True)
+    except StoreError as exc:
+        raise MemoryStoreError(f"{path}: not a run directory ({exc})") from None
+    with store:
+        text = store.get_meta("config")
+        if text is None:
+            raise MemoryStoreError(f"{path}: the run stores no config (it was not written by evo run)")
+        for p in json.loads(store.get_meta("sys_path") or "[]"):  # a user's task module beside its config
+            if p not in sys.path:
+                sys.path.append(p)
+        spec = (yaml.safe_load(text) or {}).get("task") or {}
+        task = str(spec.get("name", "?"))
+        task_args, signature, backend, description = _task_info(task, spec.get("args") or {})
+        try:
+            elites = rebuild_archive(store).elites()
+        except StoreError as exc:
+            raise MemoryStoreError(f"{path}: {exc}") from None
+        run = str(path.resolve())
+        out = []
+        for cand in store.get_many([e.id for e in elites]):
+            hardware = store.hardware(cand.hardware_id) if cand.hardware_id else None
+            vs = cand.metrics.get("vs_reference")
+            vs = float(vs) if vs is not None else None
+            summary = summary_text(task=task, task_args=task_args, genome=cand.genome, hardware=hardware,
+                                   fitness=cand.fitness, unit=cand.unit, vs_reference=vs, description=description)
+            out.append(MemoryEntry(
+                task=task, task_args=task_args, genome=cand.genome, backend=backend, signature=signature,
+                hardware=hardware or {}, fitness=cand.fitness, unit=cand.unit, vs_reference=vs, summary=summary,
+                run=run, created_at=cand.evaluated_at or 0.0,
+            ))  # fmt: skip
+        return out

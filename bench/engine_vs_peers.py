@@ -1,0 +1,179 @@
+"""The best evolved engine against its peers, side by side in one run: same machine, same thread count,
+same request texts, same closed-loop concurrency.
+
+    python bench/engine_vs_peers.py --run-dir runs/engine_minilm
+    python bench/engine_vs_peers.py --config configs/engine_minilm.yaml   # runs the search first
+
+Peers (each behind the same kind of queue, taking what is queued up to --batch requests):
+sentence-transformers (torch, a plain batching loop over ``encode``), ONNX Runtime on the same model
+exported to ONNX, in fp32 and with dynamic int8 quantisation (per tensor, its default; and per channel).
+Prints sentences/s, the ratio to sentence-transformers, p50/p99 latency and each one's minimum cosine
+to the fp32 reference (sentence-transformers). Needs the ``bench`` and ``engine`` extras.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from runtime.engine import Batcher, StoredRun, closed_loop, load_elite  # noqa: E402
+from runtime.engine.task import EngineTask  # noqa: E402
+from runtime.timing import pinned  # noqa: E402
+
+Embed = Callable[[list[str]], np.ndarray]
+
+
+def run_search(config: Path, run_dir: Path, max_evals: int | None) -> float:
+    t0 = time.monotonic()
+    extra = ["--max-evals", str(max_evals)] if max_evals else []
+    subprocess.run([sys.executable, "-m", "evo", "run", str(config), "--run-dir", str(run_dir), *extra], check=True,
+                   cwd=ROOT)
+    return time.monotonic() - t0
+
+
+def serve(embed: Embed, texts: Sequence[str], *, batch: int, concurrency: int, duration: float,
+          warmup: float) -> dict[str, float]:
+    """A plain batching loop around ``embed`` under the closed-loop load."""
+    with Batcher(lambda items: list(embed(items)), max_batch=batch, token_budget=1 << 30) as b:
+        r = closed_loop(lambda t: b.submit(t), texts, concurrency=concurrency, duration_s=duration, warmup_s=warmup)
+    return {"throughput": r.throughput, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "completed": r.completed}
+
+
+def onnx_peers(st: Any, threads: int, tmp: str, tokenizer: Any) -> dict[str, Embed]:
+    """ONNX Runtime sessions (fp32, dynamic int8 per tensor, dynamic int8 per channel) of the same model."""
+    import onnxruntime as ort
+    import torch
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, bert: torch.nn.Module) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+            return self.bert(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+
+    fp32 = os.path.join(tmp, "minilm.onnx")
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    dummy = tuple(torch.ones((2, 8), dtype=torch.long) for _ in names)
+    torch.onnx.export(Wrapped(st[0].auto_model.eval()), dummy, fp32, input_names=names,
+                      output_names=["last_hidden_state"], opset_version=17, dynamo=False,
+                      dynamic_axes={k: {0: "batch", 1: "tokens"} for k in [*names, "last_hidden_state"]})
+    paths = {"onnxruntime fp32": fp32}
+    for label, per_channel in (("onnxruntime int8 dynamic", False), ("onnxruntime int8 per-channel", True)):
+        out = os.path.join(tmp, f"minilm_int8_{per_channel}.onnx")
+        quantize_dynamic(fp32, out, weight_type=QuantType.QInt8, per_channel=per_channel)
+        paths[label] = out
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+
+    def make(path: str) -> Embed:
+        sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+
+        def embed(texts: list[str]) -> np.ndarray:
+            seqs = tokenizer.encode_batch(texts)
+            n, longest = len(seqs), max(len(s) for s in seqs)
+            ids = np.zeros((n, longest), np.int64)
+            mask = np.zeros((n, longest), np.int64)
+            for i, s in enumerate(seqs):
+                ids[i, : len(s)], mask[i, : len(s)] = s, 1
+            hidden = sess.run(None, {"input_ids": ids, "attention_mask": mask,
+                                     "token_type_ids": np.zeros_like(ids)})[0]
+            pooled = (hidden * mask[:, :, None]).sum(1) / mask.sum(1, keepdims=True)
+            return pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+
+        return embed
+
+    return {label: make(p) for label, p in paths.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run-dir", type=Path, help="take the best engine of this run")
+    src.add_argument("--config", type=Path, help="run this engine config first (into --out)")
+    ap.add_argument("--out", type=Path, default=Path("runs/bench_engine"), help="run dir for --config")
+    ap.add_argument("--max-evals", type=int, help="with --config: evaluations of the search")
+    ap.add_argument("--id", help="this engine instead of the run's best")
+    ap.add_argument("--duration", type=float, help="measured seconds per contestant [default: the run's]")
+    ap.add_argument("--batch", type=int, default=32, help="peers' max batch size")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    seconds = run_search(args.config, args.out, args.max_evals) if args.config else None
+    run_dir = args.out if args.config else args.run_dir
+    run = StoredRun(run_dir)
+    task = EngineTask(run.task.args)
+    a = task.args
+    threads, duration = task.cores, args.duration or a.duration_s
+    cid = args.id or (run.elite_ids(1) or [None])[0]
+    if cid is None:
+        raise SystemExit(f"no engine elite in {run_dir}")
+    cand = run.candidate(cid)
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    torch.set_num_threads(threads)
+    model = task.model()
+    texts = task.texts()
+    st = SentenceTransformer(str(model.path), device="cpu")
+    reference = st.encode(texts, batch_size=32, normalize_embeddings=True, convert_to_numpy=True)
+
+    def st_embed(batch: list[str]) -> np.ndarray:
+        return st.encode(batch, batch_size=len(batch), normalize_embeddings=True, convert_to_numpy=True)
+
+    rows: list[dict[str, Any]] = []
+    load = {"concurrency": a.concurrency, "duration": duration, "warmup": a.warmup_s}
+    with tempfile.TemporaryDirectory() as tmp, pinned(None, threads) as cores:
+        peers: dict[str, Embed] = {"sentence-transformers": st_embed, **onnx_peers(st, threads, tmp, model.tokenizer)}
+        engine = load_elite(run_dir, cand.id, model=model)
+        got = engine.embed(texts)
+        with engine:
+            r = closed_loop(engine.submit, texts, concurrency=a.concurrency, duration_s=duration,
+                            warmup_s=a.warmup_s)
+        rows.append({"name": "evoforge engine (evolved)", "throughput": r.throughput, "p50_ms": r.p50_ms,
+                     "p99_ms": r.p99_ms, "completed": r.completed,
+                     "min_cosine": float(np.min(np.sum(got * reference, 1)))})
+        for name, embed in peers.items():
+            got = np.concatenate([embed(list(texts[i : i + 32])) for i in range(0, len(texts), 32)])
+            rows.append({"name": name, **serve(embed, texts, batch=args.batch, **load),
+                         "min_cosine": float(np.min(np.sum(got * reference, 1)))})
+    base = next(r["throughput"] for r in rows if r["name"] == "sentence-transformers")
+    for r in rows:
+        r["vs_sentence_transformers"] = r["throughput"] / base if base else None
+    out = {"run_dir": str(run_dir), "engine": cand.id, "params": cand.genome.params, "threads": threads,
+           "cores": sorted(cores), "concurrency": a.concurrency, "lengths": a.lengths, "texts": len(texts),
+           "duration_s": duration, "peer_batch": args.batch, "search_s": seconds, "rows": rows}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"MiniLM embeddings under {a.concurrency} closed-loop clients, {threads} thread(s) on cores {sorted(cores)}, "
+          f"{len(texts)} texts, lengths {dict(a.lengths)}, {duration:g} s each")
+    print(f"engine {cand.id[:12]}: {' '.join(f'{k}={v}' for k, v in cand.genome.params.items())}")
+    print("| engine | sentences/s | vs sentence-transformers | p50 ms | p99 ms | min cosine to fp32 |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['name']} | {r['throughput']:.1f} | {r['vs_sentence_transformers']:.2f}x | {r['p50_ms']:.1f} | "
+              f"{r['p99_ms']:.1f} | {r['min_cosine']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The single-shot LLM operators: ``llm_diff``, ``llm_rewrite`` and ``llm_params``.
+
+Each builds one prompt from the proposal context, asks a model, and reads the answer into a child
+genome; an answer that cannot be used is rejected with its reason and (if configured) retried once
+with the reason shown to the model. Every call is recorded through the proposal's ``on_commit``, and
+its outcome moves on (compiled, correct, improved) as the controller judges the child (``on_result``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from archive import AddStatus, Candidate, Store
+from evo.llm.diff import Rejected, apply_edits, extract_code, extract_json, parse_edits, splice_blocks
+from evo.llm.prompt import PromptBook, render_prompt
+from evo.llm.session import Draft, LLMSession
+from evo.operators import Proposal, ProposalContext
+from genome import Genome, ParamSpace
+from runtime import Status, Task
+
+__all__ = ["LLMDiff", "LLMOperator", "LLMParams", "LLMRewrite", "outcome_of"]
+
+
+def outcome_of(status: Status | str, add_status: AddStatus | str) -> str:
+    """How far a child got: improved (entered the archive), correct, compiled, or merely applied."""
+    if AddStatus(add_status).added:
+        return "improved"
+    if status == Status.OK:
+        return "correct"
+    return "applied" if status in (Status.COMPILE_ERROR, Status.PENDING) else "compiled"
+
+
+class LLMOperator:
+    """Shared machinery; subclasses set ``name``/``kind`` and implement :meth:`read`."""
+
+    name = "llm"
+    kind = "diff"
+    arity = 1
+    blocking = True
+
+    def __init__(self, session: LLMSession, book: PromptBook, *, hardware: Mapping[str, Any]) -> None:
+        self.session, self.book, self.hardware = session, book, dict(hardware)
+
+    def available(self) -> bool:
+        return self.session.available()
+
+    def parent_source(self, parent: Candidate, task: Task) -> str:
+        return parent.source if parent.source is not None else task.template()
+
+    def read(self, text: str, parent: Candidate, ctx: ProposalContext) -> Genome:
+        """The child an answer describes, or :class:`Rejected`."""
+        raise NotImplementedError
+
+    def extra_fields(self, ctx: ProposalContext) -> dict[str, str]:
+        return {}
+
+    def first_messages(self, ctx: ProposalContext) -> list[dict[str, Any]]:
+        assert ctx.task is not None
+        user = render_prompt(self.book, self.kind, task=ctx.task, hardware=self.hardware, parent=ctx.parents[0],
+                             inspirations=ctx.inspirations, hints=ctx.hints, extra=self.extra_fields(ctx))
+        return [{"role": "system", "content": self.book.templates["system"].strip()},
+                {"role": "user", "content": user}]
+
+    def propose(self, ctx: ProposalContext) -> Proposal:
+        parent = ctx.parents[0]
+        messages = self.first_messages(ctx)
+        drafts: list[Draft] = []
+        child: Genome | None = None
+        tries = 2 if self.session.settings.retry_rejected else 1
+        for attempt in range(tries):
+            draft = self.session.ask(messages, ctx.rng)
+            drafts.append(draft)
+            if draft.answer is None:
+                break
+            try:
+                child = self.read(draft.answer.text, parent, ctx)
+                draft.outcome = "applied"
+                break
+            except Rejected as exc:
+                draft.outcome, draft.reason = "rejected", str(exc)
+                if attempt + 1 < tries:
+                    messages = [*messages, {"role": "assistant", "content": draft.answer.text},
+                                {"role": "user", "content": f"Your answer was rejected: {exc}. "
+                                 "Answer again, in the format asked for."}]
+        return Proposal(genome=child, on_commit=self._recorder(drafts), meta={"drafts": len(drafts)})
+
+    def _recorder(self, drafts: list[Draft]) -> Callable[[Store, str | None], None]:
+        proposal = uuid.uuid4().hex
+
+        def on_commit(store: Store, candidate_id: str | None) -> None:
+            last = drafts[-1] if drafts else None
+            if last is not None and last.outcome == "applied" and candidate_id is None:
+                last.outcome, last.reason = "duplicate", "the child is already stored"
+            store.record_llm_calls([d.record(proposal=proposal, operator=self.name,
+                                             candidate_id=candidate_id if d is last else None) for d in drafts])
+
+        return on_commit
+
+    def on_result(self, store: Store, candidate_id: str, status: Status | str, add_status: AddStatus | str) -> None:
+        """Moves the calls behind ``candidate_id`` to how far its child got."""
+        outcome = outcome_of(status, add_status)
+        if outcome != "applied":
+            store.advance_llm_outcome(candidate_id, outcome)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class LLMDiff(LLMOperator):
+    """SEARCH/REPLACE edits applied strictly inside the parent's evolve blocks."""
+
+    name, kind = "llm_diff", "diff"
+
+    def read(self, text: str, parent: Candidate, ctx: ProposalContext) -> Genome:
+        assert ctx.task is not None
+        source = apply_edits(self.parent_source(parent, ctx.task), parse_edits(text))
+        return Genome(params=parent.params, source=source)
+
+
+class LLMRewrite(LLMOperator):
+    """One fenced code block that replaces the parent's evolve block(s)."""
+
+    name, kind = "llm_rewrite", "rewrite"
+
+    def read(self, text: str, parent: Candidate, ctx: ProposalContext) -> Genome:
+        assert ctx.task is not None
+        source = splice_blocks(self.parent_source(parent, ctx.task), extract_code(text))
+        return Genome(params=parent.params, source=source)
+
+
+class LLMParams(LLMOperator):
+    """One JSON object of parameter values, validated against the space and its constraints."""
+
+    name, kind = "llm_params", "params"
+
+    def extra_fields(self, ctx: ProposalContext) -> dict[str, str]:
+        return {"space": space_text(ctx.space)}
+
+    def read(self, text: str, parent: Candidate, ctx: ProposalContext) -> Genome:
+        return params_child(extract_json(text), parent, ctx.space)
+
+
+def space_text(space: ParamSpace) -> str:
+    d = space.to_dict()
+    lines = [f"- {name}: {json.dumps(spec, default=list)}" for name, spec in d["params"].items()]
+    cons = d.get("constraints") or []
+    return "\n".join(lines) + ("\nConstraints: " + "; ".join(cons) if cons else "")
+
+
+def params_child(values: dict[str, Any], parent: Candidate, space: ParamSpace) -> Genome:
+    """The parent's params updated by ``values``; :class:`Rejected` if the point is not in the space."""
+    if not space.params:
+        raise Rejected("this task has no parameters to propose")
+    point = {**parent.params, **values}
+    problems = space.violations(point)
+    if problems:
+        raise Rejected("; ".join(problems[:6]))
+    if point == parent.params:
+        raise Rejected("the values are the parent's own")
+    # a code genome without params (a naive seed) ignores the template: its params child uses the template
+    return Genome(params=point, source=parent.source if parent.params else None)

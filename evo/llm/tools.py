@@ -1,0 +1,144 @@
+"""The agent's tools: compile, test and benchmark in the sandboxed runtime; read the archive and memory.
+
+Evaluations go to a dedicated one-worker :class:`runtime.pool.LocalPool` (the search's workers stay
+with the search) with partial cascades: ``compile`` stops after compiling, ``test`` after the checks,
+``benchmark`` times too (under the machine-wide timing lock, like every candidate).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from archive import Store, StoreError
+from evo.llm.prompt import candidate_section, result_line, shorten
+from genome import Genome
+from runtime import EvalRequest, EvalResult, Status, Task
+
+__all__ = ["TOOL_SPECS", "SandboxTools", "tool_specs"]
+
+MakeRequest = Callable[[Genome, str, str], EvalRequest]
+"""``(genome, key, stages) -> EvalRequest`` for the run's task and evaluation settings."""
+
+
+def _spec(name: str, doc: str, **props: str) -> dict[str, Any]:
+    return {"type": "function", "function": {
+        "name": name, "description": doc,
+        "parameters": {"type": "object", "properties": {k: {"type": "string", "description": v}
+                                                        for k, v in props.items()},
+                       "required": list(props)}}}
+
+
+_SOURCE = "the whole kernel source (only evolve blocks may differ from the parent's)"
+TOOL_SPECS = [
+    _spec("compile", "Compile a kernel source; returns the compiler's errors, if any.", source=_SOURCE),
+    _spec("test", "Compile a kernel and check it against the reference (no timing).", source=_SOURCE),
+    _spec("benchmark", "Compile, check and time a kernel: fitness and vs_reference.", source=_SOURCE),
+    _spec("show_candidate", "Show a stored candidate: source, results, lineage.", id="candidate id or prefix"),
+    _spec("commit", "Submit the final kernel; ends the session.", source=_SOURCE,
+          summary="one line: what changed and why it is faster"),
+]
+_MEMORY_SPEC = _spec("search_memory", "Search past discoveries of earlier runs.", query="what to look for")
+
+
+def tool_specs(with_memory: bool) -> list[dict[str, Any]]:
+    """The tools offered; ``search_memory`` only when a memory exists."""
+    return [*TOOL_SPECS[:4], *([_MEMORY_SPEC] if with_memory else []), TOOL_SPECS[4]]
+
+
+class SandboxTools:
+    """Runs the agent's tools; thread-safe (evaluations are serialised on the one tool worker)."""
+
+    def __init__(self, *, task: Task, make_request: MakeRequest, store_path: Path, log_dir: Path,
+                 memory: Callable[[str], Sequence[Any]] | None = None) -> None:
+        self.task, self.make_request, self.store_path, self.log_dir = task, make_request, store_path, log_dir
+        self.memory = memory
+        self._pool: Any = None
+        self._lock = threading.Lock()
+        self._keys = itertools.count()
+        self._closed = False
+
+    def evaluate(self, genome: Genome, stages: str) -> EvalResult:
+        from runtime.pool import LocalPool
+
+        with self._lock:
+            if self._closed:
+                return EvalResult(status=Status.INVALID, error="the run is ending")
+            if self._pool is None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                self._pool = LocalPool(workers=1, log_dir=str(self.log_dir))
+            request = self.make_request(genome, f"tool-{next(self._keys)}", stages)
+            self._pool.submit(request)
+            limit = time.monotonic() + request.settings.sandbox.timeout + 60
+            while time.monotonic() < limit:
+                item = self._pool.next_result(timeout=0.5)
+                if item is not None:
+                    return item[1]
+                if self._closed:
+                    return EvalResult(status=Status.INVALID, error="the run is ending")
+            return EvalResult(status=Status.TIMEOUT, error="the tool worker gave no result in time")
+
+    def compile(self, genome: Genome) -> str:
+        r = self.evaluate(genome, "compile")
+        return "compiled without errors" if r.status == Status.OK else _failure(r)
+
+    def test(self, genome: Genome) -> str:
+        r = self.evaluate(genome, "check")
+        return "correct: passed every check against the reference" if r.status == Status.OK else _failure(r)
+
+    def benchmark(self, genome: Genome) -> str:
+        r = self.evaluate(genome, "full")
+        if r.status != Status.OK or r.fitness is None:
+            return _failure(r)
+        vs = r.metrics.get("vs_reference")
+        return f"ok: fitness {r.fitness:.3f} {r.unit}" + (f", vs_reference {vs:.3f}x" if vs is not None else "")
+
+    def show_candidate(self, cid: str) -> str:
+        try:
+            with Store(self.store_path, readonly=True) as store:  # a reader of its own, in this thread
+                cand = store.get(cid)
+                if cand is None:
+                    return f"no candidate {cid!r}"
+                lineage = store.lineage(cand.id)[1:6]
+        except (StoreError, KeyError) as exc:
+            return f"error: {exc}"
+        text = candidate_section(cand, self.task, title="Candidate")
+        if lineage:
+            text += "\nLineage: " + " <- ".join(f"{a.id[:12]} ({a.operator}, {result_line(a)})" for a in lineage)
+        return text
+
+    def search_memory(self, query: str) -> str:
+        if self.memory is None:
+            return "error: no memory in this run"
+        hits = list(self.memory(query))
+        if not hits:
+            return "no past discovery matches"
+        lines = []
+        for h in hits[:5]:
+            entry = getattr(h, "entry", h)
+            lines.append(f"- {getattr(entry, 'summary', entry)} (score {getattr(h, 'score', 0.0):.2f})")
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        self._closed = True  # an evaluation in progress gives up within half a second
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+
+def _failure(r: EvalResult) -> str:
+    return f"{r.status}: {shorten(r.error or 'no details')}"
+
+
+def parse_arguments(raw: str) -> dict[str, Any]:
+    """A tool call's arguments; ``ValueError`` when they are not one JSON object."""
+    value = json.loads(raw or "{}")
+    if not isinstance(value, dict):
+        raise ValueError("arguments must be a JSON object")
+    return value

@@ -1,0 +1,83 @@
+"""``CudaTask``: the base of tasks whose candidates are CUDA kernels (``backend = "cuda"``).
+
+A CUDA task is a :class:`runtime.task.Task` whose template is CUDA C++ with an ``extern "C"`` kernel,
+plus a :meth:`CudaTask.launch` that derives the launch configuration from a genome's params. Inputs,
+outputs, the reference, tolerances and work are host-side numpy, exactly as for a C task: the runtime
+copies arrays to the GPU (between guard zones), runs the kernel, copies back and compares on the host.
+``kernel_args`` returns device buffers where the C task returns arrays.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any, ClassVar
+
+from runtime.backends.cuda_launch import Launch, LaunchError
+from runtime.task import Case, Descriptor, Task
+
+__all__ = ["CudaTask", "Launch", "LaunchError", "load_cuda_source", "need"]
+
+
+@functools.cache
+def load_cuda_source(name: str) -> str:
+    """The text of ``runtime/tasks/cuda/<name>`` (package data)."""
+    return resources.files("runtime.tasks").joinpath("cuda", name).read_text(encoding="utf-8")
+
+
+def need(params: Mapping[str, Any], *names: str) -> list[int]:
+    """The int values of ``names`` in ``params``; a missing or non-positive one is a :class:`LaunchError`."""
+    values = []
+    for name in names:
+        v = params.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise LaunchError(f"the launch needs a positive int param {name!r} (got {v!r})")
+        values.append(v)
+    return values
+
+
+class CudaTask(Task):
+    """Base class of CUDA tasks: subclasses implement :meth:`launch` on top of the :class:`Task` methods."""
+
+    backend: ClassVar[str] = "cuda"
+    gpu_reference: ClassVar[str] = ""
+    """The GPU library operation timed as the reference (``gemm``, ``softmax``; see
+    ``runtime.backends.cuda_reference``); empty: the host ``reference`` is timed instead."""
+
+    @abc.abstractmethod
+    def launch(self, params: Mapping[str, Any], case: Case) -> Launch:
+        """Grid, block and dynamic shared memory for ``case``; raises :class:`LaunchError` on bad params."""
+
+    def prepare_worker(self) -> None:
+        """Opens the GPU (context, driver libraries) in the worker, before it drops privileges."""
+        from runtime.backends.cuda_device import open_device
+        from runtime.backends.cuda_reference import preload
+
+        open_device()
+        if self.gpu_reference:
+            preload(self.gpu_reference)
+
+    def descriptors(self) -> dict[str, Descriptor]:
+        """ptxas' and the occupancy estimate's figures (in every ok result's metrics) as descriptors."""
+
+        def metric(name: str, scale: float = 1.0) -> Any:
+            return lambda g, m: float(m.get(name) or 0) * scale
+
+        return {
+            **super().descriptors(),
+            "registers": Descriptor("registers", "registers per thread (ptxas)", metric("registers"), 0.0, 256.0),
+            "occupancy": Descriptor(
+                "occupancy", "estimated resident warps over the SM's maximum", metric("occupancy"), 0.0, 1.0
+            ),
+            "smem_kib": Descriptor(
+                "smem_kib", "shared memory per block, static + dynamic, KiB", metric("smem_bytes", 1 / 1024), 0.0, 228.0
+            ),
+            "spill_bytes": Descriptor(
+                "spill_bytes", "register spill stores + loads (ptxas)", metric("spill_bytes"), 0.0, 1024.0
+            ),
+            "threads_per_block": Descriptor(
+                "threads_per_block", "threads per block of the timed launch", metric("threads_per_block"), 0.0, 1024.0
+            ),
+        }

@@ -1,0 +1,63 @@
+"""The embedded inference engine: the bundled MiniLM encoder on numpy plus evolved kernels.
+
+Every operator is a slot (numpy, or an evolved C kernel elite), requests are batched dynamically, and
+the whole configuration is a genome of the ``engine`` task (:class:`runtime.engine.task.EngineTask`).
+Needs the ``engine`` extra (tokenizers, safetensors, the model package); torch is never imported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.load import LoadResult, closed_loop
+from runtime.engine.model import Model, ModelConfig, Precision, load_model
+from runtime.engine.ops import SLOT_TASKS, SLOTS, Ops, c_slot, numpy_ops
+from runtime.engine.runs import KernelSource, RunNotFound, StoredRun, build_ops
+from runtime.engine.scheduler import Batcher, BatcherClosed, QueueFull
+
+__all__ = [
+    "SLOTS",
+    "SLOT_TASKS",
+    "Batcher",
+    "BatcherClosed",
+    "Engine",
+    "EngineConfig",
+    "KernelSource",
+    "LoadResult",
+    "Model",
+    "ModelConfig",
+    "Ops",
+    "Precision",
+    "QueueFull",
+    "RunNotFound",
+    "StoredRun",
+    "build_ops",
+    "c_slot",
+    "closed_loop",
+    "load_elite",
+    "load_model",
+    "numpy_ops",
+]
+
+
+def load_elite(run_dir: str | Path, candidate_id: str, *, model: Model | None = None) -> Engine:
+    """The engine of candidate ``candidate_id`` (or a unique prefix) of an ``engine`` run, ready to start.
+
+    Its kernels are compiled into (or found in) the run's compile cache. Pass ``model`` to share
+    already loaded weights. Raises :class:`RunNotFound` for a missing run or candidate, ValueError
+    when the run is not an engine run.
+    """
+    from runtime.engine.task import EngineTask
+    from runtime.task import load_task_class
+
+    run = StoredRun(run_dir)
+    cls = load_task_class(run.task.name)
+    if not issubclass(cls, EngineTask):
+        raise ValueError(f"{run.path} is a {run.task.name!r} run, not an engine run")
+    task = cls(run.task.args)
+    if model is not None:
+        task.share_model(model)
+    cand = run.candidate(candidate_id)
+    run.cache_dir.mkdir(exist_ok=True)
+    return task.build(task.engine_config(cand.genome), compiler=run.compiler, cache_dir=str(run.cache_dir))

@@ -1,0 +1,126 @@
+"""An engine: the model in one precision, an operator table, and a batching scheduler, set by an EngineConfig."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from runtime.engine.model import Model, Precision
+from runtime.engine.ops import SLOTS, Ops
+from runtime.engine.scheduler import Batcher, length_class
+
+__all__ = ["Engine", "EngineConfig"]
+
+
+class EngineConfig(BaseModel):
+    """Everything that may vary about an engine (the genome of the ``engine`` task maps onto this)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch: int = Field(32, ge=1, description="requests per batch at most")
+    max_wait_ms: float = Field(0.0, ge=0, description="how long a batch waits for more requests once it has one")
+    token_budget: int = Field(8192, ge=1, description="tokens per batch at most (sum over its requests)")
+    bucketing: Literal["none", "split", "queue"] = Field(
+        "split", description="none: one padded batch; split: a batch runs as sub-batches of similar lengths; "
+        "queue: requests queue by length class and a batch comes from one class")
+    pack: bool = Field(True, description="token-wise operators run on the real tokens only (no padding)")
+    workers: int = Field(1, ge=1, description="scheduler worker threads (batches run concurrently)")
+    blas_threads: int = Field(1, ge=1, description="BLAS threads (process-wide); workers * blas_threads <= cores")
+    precision: Precision = Field("fp32", description="GEMM weights: fp32, or rounded to bf16 / int8 per channel")
+    kernels: dict[str, str] = Field(default_factory=dict, description="slot -> 'numpy' or an elite id")
+    queue_size: int = Field(1024, ge=1, description="queued requests at most; more are refused")
+
+    @model_validator(mode="after")
+    def _slots(self) -> EngineConfig:
+        unknown = set(self.kernels) - set(SLOTS)
+        if unknown:
+            raise ValueError(f"unknown slot(s) {sorted(unknown)} (slots: {', '.join(SLOTS)})")
+        return self
+
+
+class Engine:
+    """Embeds texts with ``model`` and ``ops`` under ``config``.
+
+    :meth:`embed` runs synchronously in the caller's thread; :meth:`start` starts the batching
+    scheduler, after which :meth:`submit` queues one text and returns a future of its embedding.
+    """
+
+    def __init__(self, model: Model, ops: Ops, config: EngineConfig) -> None:
+        self.model, self.ops, self.config = model, ops, config
+        self._batcher: Batcher[np.ndarray, np.ndarray] | None = None
+        self._blas: object | None = None
+
+    @property
+    def dim(self) -> int:
+        return self.model.config.hidden
+
+    def run_batch(self, seqs: Sequence[np.ndarray]) -> np.ndarray:
+        """Embeddings of token id arrays, in order; ``split`` bucketing runs each length class on its own."""
+        if self.config.bucketing != "split" or len(seqs) < 2:
+            return self.model.forward(seqs, self.ops, pack=self.config.pack)
+        out = np.empty((len(seqs), self.dim), np.float32)
+        classes: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            classes.setdefault(length_class(len(s)), []).append(i)
+        for idx in classes.values():
+            out[idx] = self.model.forward([seqs[i] for i in idx], self.ops, pack=self.config.pack)
+        return out
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """``[len(texts), dim]`` unit-norm embeddings, computed in the caller's thread in batches of max_batch."""
+        seqs = self.model.tokenizer.encode_batch(texts)
+        out = np.empty((len(seqs), self.dim), np.float32)
+        order = np.argsort([len(s) for s in seqs], kind="stable") if self.config.bucketing != "none" else None
+        idx = np.arange(len(seqs)) if order is None else order
+        step = self.config.max_batch
+        for i in range(0, len(idx), step):
+            chunk = idx[i : i + step]
+            out[chunk] = self.run_batch([seqs[j] for j in chunk])
+        return out
+
+    # --- serving --------------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        """Sets the BLAS threads and starts the scheduler's workers."""
+        if self._batcher is not None:
+            return self
+        from threadpoolctl import threadpool_limits
+
+        self._blas = threadpool_limits(limits=self.config.blas_threads, user_api="blas")
+        c = self.config
+        self._batcher = Batcher(
+            lambda seqs: list(self.run_batch(seqs)), max_batch=c.max_batch, token_budget=c.token_budget,
+            max_wait_ms=c.max_wait_ms, queue_size=c.queue_size, workers=c.workers, bucketing=c.bucketing == "queue",
+        )
+        return self
+
+    def submit(self, text: str) -> Future[np.ndarray]:
+        """Queues ``text``; raises :class:`runtime.engine.QueueFull` when the queue is full."""
+        if self._batcher is None:
+            raise RuntimeError("start() the engine before submitting")
+        seq = self.model.tokenizer.encode(text)
+        return self._batcher.submit(seq, len(seq))
+
+    @property
+    def batches(self) -> int:
+        return self._batcher.batches if self._batcher else 0
+
+    def close(self) -> None:
+        """Stops the scheduler (queued requests are served first), restores BLAS threads, frees kernels."""
+        if self._batcher is not None:
+            self._batcher.close()
+            self._batcher = None
+        if self._blas is not None:
+            self._blas.restore_original_limits()  # type: ignore[attr-defined]
+            self._blas = None
+        self.ops.close()
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

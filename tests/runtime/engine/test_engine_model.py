@@ -1,0 +1,58 @@
+"""The numpy engine reproduces sentence-transformers' all-MiniLM-L6-v2 embeddings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_helpers import embed_sorted
+
+from runtime.engine import Engine, EngineConfig, numpy_ops
+
+FP32_FLOOR = 0.9999
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def test_weights_load_from_the_package(model):
+    cfg = model.config
+    assert (cfg.hidden, cfg.heads, cfg.layers, cfg.intermediate, cfg.max_tokens) == (384, 12, 6, 1536, 256)
+    assert model.word.shape == (30522, 384) and model.word.dtype == np.float32
+    assert len(model.layers) == 6 and model.layers[0].w_qkv.shape == (384, 1152)
+    assert model.layers[0].w_up.shape == (384, 1536) and model.layers[0].w_down.shape == (1536, 384)
+
+
+def test_tokenizer_matches_and_truncates(model, sentences):
+    ids = model.tokenizer.encode_batch(sentences)
+    assert all(s[0] == 101 and s[-1] == 102 for s in ids)  # [CLS] ... [SEP]
+    assert max(len(s) for s in ids) == 256  # the long sentence is truncated to max_seq_length
+    assert len({len(s) for s in ids}) > 10  # varied lengths
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_fp32_matches_sentence_transformers(model, sentences, reference_embeddings, pack):
+    got = embed_sorted(model, sentences, numpy_ops(), pack=pack)
+    assert got.shape == (len(sentences), 384) and got.dtype == np.float32
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    c = cosines(got, reference_embeddings)
+    assert c.min() >= FP32_FLOOR, (c.min(), sentences[int(c.argmin())])
+
+
+def test_engine_embed_keeps_order_whatever_the_batching(model, sentences, reference_embeddings):
+    got = Engine(model, numpy_ops(), EngineConfig(max_batch=8, bucketing="split")).embed(sentences)
+    assert cosines(got, reference_embeddings).min() >= FP32_FLOOR
+    short = sentences[:6]  # unsorted, one padded batch
+    got = Engine(model, numpy_ops(), EngineConfig(max_batch=4, bucketing="none", pack=False)).embed(short)
+    assert cosines(got, reference_embeddings[:6]).min() >= FP32_FLOOR
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_reduced_precision_is_measured_against_the_floor(model, sentences, reference_embeddings, precision):
+    """Reduced precision is allowed only with its measured minimum cosine at or above the floor (0.99)."""
+    reduced = model.with_precision(precision)
+    assert reduced.layers[0].w_qkv is not model.layers[0].w_qkv and model.precision == "fp32"
+    got = embed_sorted(reduced, sentences, numpy_ops())
+    c = cosines(got, reference_embeddings)
+    print(f"{precision}: min cosine {c.min():.5f}")
+    assert 0.99 <= c.min() < 1.0

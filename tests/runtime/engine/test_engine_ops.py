@@ -1,0 +1,123 @@
+"""Every slot implementation agrees with numpy: the numpy defaults with float64 math, the C kernels
+(the layernorm and softmax tasks' seeds and template points) with the numpy defaults."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from engine_helpers import embed_sorted
+from scipy.special import erf
+
+from genome import Genome
+from runtime.backends.c import compile_source
+from runtime.engine import SLOT_TASKS, EngineConfig, KernelSource, build_ops, numpy_ops
+from runtime.engine.ops import np_bias_gelu, np_layernorm, np_softmax
+from runtime.settings import CompilerSettings
+from runtime.task import load_task_class
+
+RNG = np.random.default_rng(7)
+
+
+def test_numpy_layernorm_matches_float64():
+    x = (RNG.standard_normal((37, 384)) * 3 + 1).astype(np.float32)
+    g, b = RNG.standard_normal(384).astype(np.float32), RNG.standard_normal(384).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-12) * g + b
+    before = x.copy()
+    np.testing.assert_allclose(np_layernorm(x, g, b, 1e-12), want, rtol=1e-4, atol=1e-4)
+    assert np.array_equal(x, before)  # inputs untouched
+
+
+def test_numpy_softmax_matches_float64_with_masked_keys():
+    x = RNG.standard_normal((12 * 9, 9)).astype(np.float32) * 4
+    x[:, 6:] += np.float32(-1e9)  # padding keys, as the attention adds them
+    x64 = x.astype(np.float64)
+    want = np.exp(x64 - x64.max(1, keepdims=True))
+    want /= want.sum(1, keepdims=True)
+    got = np_softmax(x.copy())
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert (got[:, 6:] == 0).all()
+
+
+def test_numpy_bias_gelu_matches_erf_gelu():
+    x = (RNG.standard_normal((64, 1536)) * 4).astype(np.float32)
+    b = RNG.standard_normal(1536).astype(np.float32)
+    h = x.astype(np.float64) + b
+    want = 0.5 * h * (1 + erf(h / np.sqrt(2)))
+    np.testing.assert_allclose(np_bias_gelu(x, b), want, rtol=1e-4, atol=1e-6)
+
+
+def _points(task_name: str) -> list[Genome]:
+    """The task's seeds and a few template points covering its choices."""
+    task = load_task_class(task_name)()
+    points = list(task.seeds())
+    if task_name == "layernorm":
+        points += [Genome(params={"VEC": v, "UNROLL": u, "PASSES": p})
+                   for v, u, p in itertools.product((8, 16), (1, 4), ("TWO", "ONE"))]
+    else:
+        points += [Genome(params={"VEC": 16, "UNROLL": 2, "ROWS_PER_BLOCK": r, "PASSES": p, "EXP": "POLY"})
+                   for r, p in itertools.product((1, 2), ("THREE", "ONLINE"))]
+    return points
+
+
+def _kernel_ops(slot: str, genome: Genome, cache: str):
+    task = load_task_class(SLOT_TASKS[slot])()
+    ks = KernelSource(slot, genome.id, task.render(genome), tuple(task.compile_flags()))
+    return build_ops({slot: ks}, compiler=CompilerSettings(), cache_dir=cache)
+
+
+@pytest.mark.parametrize("genome", _points("layernorm"), ids=lambda g: str(g.params or "naive"))
+def test_c_layernorm_slot_agrees_with_numpy(genome, tmp_path):
+    ops = _kernel_ops("layernorm", genome, str(tmp_path))
+    try:
+        for rows, cols in ((1, 384), (77, 384), (5, 33)):
+            x = (RNG.standard_normal((rows, cols)) * 2 + 0.5).astype(np.float32)
+            g, b = RNG.standard_normal(cols).astype(np.float32), RNG.standard_normal(cols).astype(np.float32)
+            np.testing.assert_allclose(ops.layernorm(x, g, b, 1e-12), np_layernorm(x, g, b, 1e-12),
+                                       rtol=1e-4, atol=1e-4)
+    finally:
+        ops.close()
+
+
+@pytest.mark.parametrize("genome", _points("softmax"), ids=lambda g: str(g.params or "naive"))
+def test_c_softmax_slot_agrees_with_numpy(genome, tmp_path):
+    ops = _kernel_ops("softmax", genome, str(tmp_path))
+    try:
+        for rows, cols in ((12, 3), (12 * 4 * 23, 23), (12 * 2 * 64, 64)):
+            x = RNG.standard_normal((rows, cols)).astype(np.float32) * 4
+            x[:, cols - cols // 3 :] += np.float32(-1e9)
+            np.testing.assert_allclose(ops.softmax(x), np_softmax(x.copy()), rtol=1e-5, atol=1e-7)
+    finally:
+        ops.close()
+
+
+def test_engine_with_c_slots_matches_numpy_engine(model, sentences, tmp_path):
+    """A forward pass with both slots filled by C kernels gives the numpy engine's embeddings."""
+    ln = load_task_class("layernorm")()
+    sm = load_task_class("softmax")()
+    kernels = {
+        "layernorm": KernelSource("layernorm", "t", ln.render(Genome(params={"VEC": 16, "UNROLL": 2,
+                                                                          "PASSES": "TWO"})), ()),
+        "softmax": KernelSource("softmax", "t", sm.render(_points("softmax")[-1]), ()),
+    }
+    ops = build_ops(kernels, compiler=CompilerSettings(), cache_dir=str(tmp_path))
+    try:
+        assert set(ops.kernels) == {"layernorm", "softmax"}
+        got = embed_sorted(model, sentences[:12], ops)
+        want = embed_sorted(model, sentences[:12], numpy_ops())
+        assert np.sum(got * want, axis=1).min() >= 0.99999
+    finally:
+        ops.close()
+    assert EngineConfig(kernels={"layernorm": "abc"}).kernels == {"layernorm": "abc"}
+    with pytest.raises(ValueError, match="unknown slot"):
+        EngineConfig(kernels={"matmul": "abc"})
+
+
+def test_compile_is_cached(tmp_path):
+    ln = load_task_class("layernorm")()
+    src = ln.render(ln.seeds()[0])
+    first = compile_source(src, compiler=CompilerSettings(), cache_dir=str(tmp_path))
+    again = compile_source(src, compiler=CompilerSettings(), cache_dir=str(tmp_path))
+    assert not first.cached and again.cached and first.path == again.path

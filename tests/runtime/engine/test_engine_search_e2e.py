@@ -1,0 +1,82 @@
+"""End to end: a tiny layernorm kernel search, then a tiny engine search offering its elites to the
+layernorm slot (real sandboxed workers), then the archive shows engine elites and one loads back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from runtime.engine import Engine, EngineConfig, load_elite, numpy_ops
+
+pytestmark = pytest.mark.slow
+
+
+def evo(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "evo", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def write(tmp_path: Path, name: str, cfg: dict) -> Path:
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def test_engine_search_runs_and_its_elite_loads_back(tmp_path, model, sentences):
+    fast = {"timing": {"max_seconds": 0.1, "max_repeats": 10}, "check_trials": 1}
+    ln_cfg = write(tmp_path, "ln", {
+        "task": {"name": "layernorm", "args": {"rows": 256, "cols": 384}},
+        "evaluation": fast, "search": {"workers": 1, "initial_random": 1},
+        "budget": {"max_evals": 3}, "archive": {"descriptors": ["vector_width"], "bins": 4},
+    })
+    proc = evo("run", str(ln_cfg), "--run-dir", str(tmp_path / "ln"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    eng_cfg = write(tmp_path, "eng", {
+        "task": {"name": "engine", "args": {
+            "threads": 2, "concurrency": 3, "duration_s": 0.5, "warmup_s": 0.1, "texts": 16,
+            "lengths": {10: 0.7, 30: 0.3}, "p99_budget_ms": 5000,
+            "kernels": {"layernorm": {"run_dir": str(tmp_path / "ln"), "top": 2}}}},
+        "search": {"workers": 1, "initial_random": 2},
+        "budget": {"max_evals": 4},
+        "archive": {"descriptors": ["p99_ms", "memory_mb"], "bins": [3, 3], "ranges": [[0, 5000], [0, 2048]]},
+    })
+    run_dir = tmp_path / "eng"
+    proc = evo("run", str(eng_cfg), "--run-dir", str(run_dir), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    out = evo("archive", "best", str(run_dir), "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    best = json.loads(out.stdout)
+    assert best, "no engine elite"
+    top = best[0]
+    assert top["status"] == "ok" and top["unit"] == "sentences/s" and top["fitness"] > 0
+    for key in ("throughput", "p50_ms", "p99_ms", "similarity", "memory_mb", "vs_reference"):
+        assert key in top["metrics"]
+    assert "kernel_layernorm" in top["params"]
+    stats = json.loads(evo("archive", "stats", str(run_dir), "--json", cwd=tmp_path).stdout)
+    evaluated = {k: v for k, v in stats["by_status"].items() if k != "pending"}
+    assert sum(evaluated.values()) == 4 and stats["unit"] == "sentences/s"
+    show = evo("archive", "show", str(run_dir), top["id"][:10], cwd=tmp_path)
+    assert show.returncode == 0 and "max_batch:" in show.stdout
+
+    # the best engine loads back, and one with an evolved layernorm kernel (a seed has the best one)
+    ids = [b["id"] for b in best]
+    with_kernel = [b["id"] for b in best if b["params"]["kernel_layernorm"] != "numpy"]
+    assert with_kernel
+    want = Engine(model, numpy_ops(), EngineConfig()).embed(sentences[:8])
+    for cid in [ids[0], *with_kernel[:1]]:
+        engine = load_elite(run_dir, cid[:12], model=model)
+        try:
+            assert engine.config.max_batch == best[ids.index(cid)]["params"]["max_batch"]
+            assert set(engine.ops.kernels) == ({"layernorm"} if cid in with_kernel else set())
+            with engine:
+                got = np.stack([engine.submit(s).result(timeout=60) for s in sentences[:8]])
+            assert np.sum(got * want, axis=1).min() >= 0.999
+        finally:
+            engine.close()

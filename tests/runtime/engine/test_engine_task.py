@@ -1,0 +1,90 @@
+"""The engine task: its space and seeds, and one evaluation in this process (no sandbox) per outcome."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+from genome import Genome
+from runtime.cascade import WorkerContext
+from runtime.engine.evaluate import evaluate_engine
+from runtime.engine.task import EngineTask
+from runtime.executor import EvalRequest
+from runtime.result import Status
+from runtime.settings import EvalSettings, TaskSpec
+from runtime.task import load_task_class
+from runtime.timing import TimingLock
+
+TINY = {"threads": 2, "concurrency": 3, "duration_s": 0.4, "warmup_s": 0.1, "texts": 16, "lengths": {10: 1.0},
+        "precisions": ["fp32", "int8"]}
+
+
+@pytest.fixture(scope="module")
+def task(model):
+    t = EngineTask(TINY)
+    t.share_model(model)
+    t.prime()
+    return t
+
+
+def test_builtin_engine_task_space_and_seeds():
+    cls = load_task_class("engine")
+    assert cls is EngineTask and cls.backend == "engine"
+    t = cls(TINY)
+    space = t.space()
+    assert {"max_batch", "max_wait_ms", "token_budget", "bucketing", "pack", "workers", "blas_threads",
+            "precision"} == set(space.names())
+    assert yaml.safe_load(yaml.safe_dump(space.to_dict()))  # YAML-able
+    for g in t.seeds():
+        assert space.is_valid(g.params)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        p = space.sample(rng)
+        assert p["workers"] * p["blas_threads"] <= 2
+        assert t.engine_config(Genome(params=p)).workers == p["workers"]
+    assert "max_batch: 32" in t.render(t.seeds()[0])
+
+
+def _request(task: EngineTask, params: dict, tmp_path, **args) -> tuple[EvalRequest, EngineTask]:
+    spec = TaskSpec(name="engine", args={**TINY, **args})
+    t = EngineTask(spec.args)
+    t.share_model(task.model())
+    t._reference, t.reference_load = task._reference_embeddings(), task.reference_load
+    g = Genome(params={**t.seeds()[0].params, **params})
+    req = EvalRequest(key=g.id, genome=g, task=spec, settings=EvalSettings(), cache_dir=str(tmp_path))
+    return req, t
+
+
+def _ctx(tmp_path) -> WorkerContext:
+    return WorkerContext(cache_dir=str(tmp_path), work_dir=str(tmp_path), lock=TimingLock(str(tmp_path / "lock")))
+
+
+def test_evaluation_measures_throughput_latency_memory(task, tmp_path):
+    req, t = _request(task, {"max_batch": 4}, tmp_path)
+    res = evaluate_engine(req, t, _ctx(tmp_path))
+    assert res.status == Status.OK, res.error
+    m = res.metrics
+    assert res.fitness == pytest.approx(m["throughput"]) and res.fitness > 0 and res.unit == "sentences/s"
+    assert 0 < m["p50_ms"] <= m["p99_ms"] and m["memory_mb"] > 50 and m["similarity"] > 0.9999
+    assert m["over_budget"] is False and m["vs_reference"] > 0 and m["ref_throughput"] > 0
+    assert {"p99_ms", "memory_mb"} <= set(t.descriptors())
+
+
+def test_over_the_p99_budget_is_recorded_but_has_no_fitness(task, tmp_path):
+    req, t = _request(task, {}, tmp_path, p99_budget_ms=0.001)
+    res = evaluate_engine(req, t, _ctx(tmp_path))
+    assert res.status == Status.OK and res.fitness is None
+    assert res.metrics["over_budget"] is True and res.metrics["throughput"] > 0
+
+
+def test_under_the_similarity_floor_is_wrong(task, tmp_path):
+    req, t = _request(task, {"precision": "int8"}, tmp_path, similarity_floor=0.99999)
+    res = evaluate_engine(req, t, _ctx(tmp_path))
+    assert res.status == Status.WRONG and "under the floor" in res.error
+    assert res.metrics["similarity"] < 0.99999
+
+
+def test_a_genome_outside_the_engine_is_invalid(task, tmp_path):
+    req, t = _request(task, {"bucketing": "zigzag"}, tmp_path)
+    assert evaluate_engine(req, t, _ctx(tmp_path)).status == Status.INVALID
