@@ -27,11 +27,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def config(n: int, evals: int, seed: int, memory: dict) -> dict:
+def config(n: int, evals: int, seed: int, memory: dict, initial_random: int | None) -> dict:
     base = yaml.safe_load((ROOT / "configs" / "matmul_cpu.yaml").read_text())
     base["task"]["args"].update(m=n, n=n, k=n)
     base["budget"] = {"max_evals": evals}
     base["search"]["seed"] = seed
+    if initial_random is not None:
+        base["search"]["initial_random"] = initial_random
     base["memory"] = memory
     return base
 
@@ -64,20 +66,24 @@ def main() -> None:
     ap.add_argument("--related", type=int, default=768, help="matmul size of the related searches")
     ap.add_argument("--evals", type=int, default=120, help="budget of each search")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--initial-random", type=int, default=None,
+                    help="random samples in each initial population (default: the config's)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="evoforge-warm-") as t:
         tmp = Path(t)
         memory = {"enabled": True, "path": str(tmp / "memory")}
-        _, base_s = run(tmp, "base", config(args.base, args.evals, args.seed, memory))
-        cold_dir, cold_s = run(tmp, "cold", config(args.related, args.evals, args.seed + 1, {"enabled": False}))
-        warm_dir, warm_s = run(tmp, "warm", config(args.related, args.evals, args.seed + 1, memory))
+        _, base_s = run(tmp, "base", config(args.base, args.evals, args.seed, memory, args.initial_random))
+        related = (args.related, args.evals, args.seed + 1)
+        cold_dir, cold_s = run(tmp, "cold", config(*related, {"enabled": False}, args.initial_random))
+        warm_dir, warm_s = run(tmp, "warm", config(*related, memory, args.initial_random))
         cold, warm = trajectory(cold_dir), trajectory(warm_dir)
         best_cold = max(vs for _, vs, _ in cold)
         level = 0.95 * best_cold
         n_cold, n_warm = evals_to_reach(cold, level), evals_to_reach(warm, level)
         out = {
             "base": args.base, "related": args.related, "evals_per_run": args.evals,
+            "initial_random": args.initial_random,
             "seconds": {"base": base_s, "cold": cold_s, "warm": warm_s},
             "best_vs_reference": {"cold": best_cold, "warm": max(vs for _, vs, _ in warm)},
             "level": level, "evals_to_level": {"cold": n_cold, "warm": n_warm},

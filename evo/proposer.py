@@ -59,6 +59,7 @@ class Proposer:
         self.duplicates = 0
         self.novelty: Any = None  # callable(genome, parent sources) -> bool, when a memory is configured
         self.novelty_rejected = 0
+        self.novelty_limit = 20  # novelty rejections tolerated per slot before giving it up
         self.bandit = OperatorBandit(self._names) if config.search.operators.adaptive else None
         # carries the run when every weighted operator rests (e.g. all are model-backed and the endpoint is down)
         self._fallback = Mutate(config.search.operators)
@@ -70,7 +71,10 @@ class Proposer:
 
         ``None`` after ``max_dedup_tries`` proposals that were all duplicates or invalid.
         """
+        novelty_before = self.novelty_rejected
         for _ in range(self.config.search.max_dedup_tries):
+            if self.novelty_rejected - novelty_before >= self.novelty_limit:
+                break
             names = self._ready()
             if names is None:
                 return None  # only busy model-backed operators: wait for their children

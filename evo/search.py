@@ -82,6 +82,7 @@ class Search:
         )
         if self.memory:
             self.proposer.novelty = self.memory.is_novel
+            self.proposer.novelty_limit = config.memory.novelty_max_resamples
         self._best: Candidate | None = None
         self._evaluated = 0
         self._session = 0
@@ -97,7 +98,8 @@ class Search:
             self.reporter.note(message)
 
         return dict(build_llm_operators(self.config, store=self.store, task=self.task,
-                                        cache_dir=self.run_dir.cache_dir, log_dir=self.run_dir.log_dir, note=note))
+                                        cache_dir=self.run_dir.cache_dir, log_dir=self.run_dir.log_dir, note=note,
+                                        memory=self.memory.search if self.memory else None))
 
     # --- the loop -------------------------------------------------------------------------------
 

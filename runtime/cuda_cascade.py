@@ -178,6 +178,10 @@ def evaluate_cuda(request: EvalRequest, task: CudaTask, ctx: WorkerContext) -> E
             kernel = dev.load(built.path, task.kernel_name)
         except CompileError as exc:
             raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
+        except Exception as exc:
+            if not _is_driver_error(exc):  # e.g. a cubin built for another arch than this GPU's
+                raise
+            raise Failure(Status.COMPILE_ERROR, f"the driver cannot load the cubin ({arch}): {exc}") from None
         if request.stages == "compile":
             raise _Done
         run = _Run(task, dev, kernel, request.genome.params, arch_limits(arch), built.info, clock)

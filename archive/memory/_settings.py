@@ -46,7 +46,7 @@ class MemorySettings(BaseModel):
     index: Literal["auto", "flat", "hnsw"] = Field(
         "auto", description="vector index: flat (exact), hnsw (approximate), auto (flat up to approximate_after)"
     )
-    approximate_after: int = Field(50_000, ge=1, description="auto: entries beyond which the index becomes HNSW")
+    approximate_after: int = Field(20_000, ge=1, description="auto: entries beyond which the index becomes HNSW")
     embedder: str = Field(
         "minilm",
         description="text embedder: minilm (all-MiniLM-L6-v2, offline), hash (hashed bag of tokens, no model), "

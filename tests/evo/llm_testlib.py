@@ -163,6 +163,7 @@ def llm_config(url: str, *, weights: dict[str, float], n: int = 64, max_evals: i
                    "operators": {"weights": weights}},
         "budget": {"max_evals": max_evals, "max_time": 90},
         "archive": {"descriptors": ["source_lines"], "bins": 8, "ranges": [[0, 40]]},
+        "memory": {"enabled": False},  # no seeds or hints from other runs: each test sees only its own
         "llm": {"models": [{"base_url": url, "model": "scripted", "api_key_env": KEY_ENV, "timeout": timeout,
                             "max_concurrency": concurrency}], **llm},
     }

@@ -180,7 +180,8 @@ def test_without_llm_the_run_says_so_once_and_adaptive_choice_learns(tmp_path):
     cfg = {"task": {"name": "matmul", "args": {"m": 48, "n": 48, "k": 48}},
            "evaluation": {"timing": {"max_seconds": 0.05, "max_repeats": 5, "min_repeats": 3}, "check_trials": 1},
            "search": {"workers": 1, "initial_random": 3, "operators": {"adaptive": True}},
-           "budget": {"max_evals": 10}, "archive": {"descriptors": ["register_tile_area"], "bins": 4}}
+           "budget": {"max_evals": 10}, "archive": {"descriptors": ["register_tile_area"], "bins": 4},
+           "memory": {"enabled": False}}
     search, reporter = run(tmp_path, cfg)
     assert sum("classical operators only" in n for n in reporter.notes) == 1
     bandit = search.proposer.bandit

@@ -168,3 +168,14 @@ def test_llm_weights_without_an_llm_section_are_a_one_line_error():
     data["llm"]["models"][0].pop("api_key")
     config = parse_config({**data, "search": {"operators": {"weights": {"llm_diff": 1}, "adaptive": True}}}, source="x")
     assert config.llm.models[0].api_key_env is None and config.search.operators.adaptive
+
+
+def test_search_memory_is_offered_only_with_a_memory(tmp_path):
+    from evo.llm.tools import SandboxTools, tool_specs
+
+    names = lambda specs: [s["function"]["name"] for s in specs]  # noqa: E731
+    assert "search_memory" not in names(tool_specs(False)) and names(tool_specs(True))[-2:] == ["search_memory",
+                                                                                                   "commit"]
+    tools = SandboxTools(task=NaiveMatmul(), make_request=None, store_path=tmp_path / "x.db", log_dir=tmp_path,
+                         memory=lambda q: [Hit(f"packed 6x32 tile for {q}", 0.9)])
+    assert "packed 6x32 tile for matmul" in tools.search_memory("matmul")
