@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
 
 from evo.check_cli import check, require_backend  # noqa: E402 - a command in its own module
 from evo.memory_cli import memory  # noqa: E402 - a command group in its own module
+from evo.serve_cli import serve  # noqa: E402 - a command in its own module
 
 cli.add_command(memory)
 cli.add_command(check)
+cli.add_command(serve)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,10 +123,11 @@ class _Instance:
                 raise Failure(Status.INVALID, f"modified its inputs ({name!r}), case {self.case}")
 
 
-def _instance(task: Task, case: Case, clock: _Clock) -> _Instance:
+def _instance(task: Task, case: Case, clock: _Clock, given: Mapping[str, np.ndarray] | None = None) -> _Instance:
+    """Fresh random inputs for ``case`` (or the ``given`` ones), guarded, with the reference's outputs."""
     seed = int.from_bytes(os.urandom(8), "little")
     rng = np.random.default_rng(seed)
-    inputs = {k: np.ascontiguousarray(v) for k, v in task.inputs(case, rng).items()}
+    inputs = {k: np.ascontiguousarray(v) for k, v in (given if given is not None else task.inputs(case, rng)).items()}
     inst = _Instance(case, seed, inputs)
     for name, arr in inputs.items():
         inst.raws[name], inst.arrays[name] = guarded_empty(arr.shape, arr.dtype)
@@ -174,6 +176,25 @@ def _check(task: Task, kernel: CKernel, case: Case, clock: _Clock) -> _Instance:
     return inst
 
 
+def _run_given(
+    task: Task, kernel: CKernel, request: EvalRequest, clock: _Clock
+) -> tuple[dict[str, np.ndarray], str | None]:
+    """One call on the request's own inputs (stages="run"): the outputs, and how they differ from the
+    reference (``None`` when within tolerance). Breaking a rule raises :class:`Failure` as usual."""
+    case = dict(request.case or {})
+    inst = _instance(task, case, clock, given=request.inputs or {})
+    call = kernel.bind(task.kernel_args(case, inst.arrays))
+    inst.poison()
+    clock.run(call)
+    inst.verify_integrity()
+    try:
+        _compare(task, inst)
+        mismatch = None
+    except Failure as exc:
+        mismatch = str(exc)
+    return {name: inst.arrays[name].copy() for name in inst.outputs}, mismatch
+
+
 def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult:
     """Runs the whole cascade for one request; a failing stage ends it with its status."""
     if task.backend == "engine":  # an engine configuration, measured under load (runtime.engine)
@@ -190,6 +211,7 @@ def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult
     clock = _Clock()
     settings = request.settings
     kernel: CKernel | None = None
+    outputs: dict[str, np.ndarray] | None = None
     try:
         try:
             source = task.render(request.genome)
@@ -209,6 +231,12 @@ def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult
         except CompileError as exc:
             raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
         if request.stages == "compile":
+            raise _Done
+        if request.stages == "run":
+            outputs, mismatch = _run_given(task, kernel, request, clock)
+            metrics["matches_reference"] = mismatch is None
+            if mismatch is not None:
+                metrics["reference_mismatch"] = mismatch
             raise _Done
 
         t0 = time.perf_counter()
@@ -284,4 +312,5 @@ def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult
         error=error,
         timings=timings,
         hardware=ctx.hardware,
+        outputs=outputs,
     )

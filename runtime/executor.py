@@ -3,8 +3,11 @@ a cluster executor (e.g. Ray) implements the same protocol."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
+
+import numpy as np
 
 from genome import Genome
 from runtime.result import EvalResult
@@ -25,7 +28,11 @@ class EvalRequest:
     sys_path: tuple[str, ...] = field(default=())  # extra import paths for a user's task module
     # how far the cascade goes: "compile" stops after compiling, "check" after the correctness checks
     # (no timing, no lock), "full" times it too. Partial runs end ``ok`` without a fitness.
-    stages: Literal["compile", "check", "full"] = "full"
+    # "run" calls the kernel once on ``inputs`` for ``case`` (guarded, checked for integrity) and returns
+    # its outputs in ``EvalResult.outputs`` (what serving's kernel invoke uses).
+    stages: Literal["compile", "check", "full", "run"] = "full"
+    case: Mapping[str, Any] | None = None  # stages="run" only
+    inputs: Mapping[str, np.ndarray] | None = None  # stages="run" only: the case's inputs by name
 
 
 class Executor(Protocol):

@@ -59,6 +59,7 @@ class EvalResult:
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     hardware: dict[str, Any] | None = None
+    outputs: dict[str, Any] | None = None  # the kernel's outputs (numpy arrays) of a stages="run" request
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -142,6 +142,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "matmul": "runtime.tasks.matmul:Matmul",
     "softmax": "runtime.tasks.softmax:Softmax",
     "layernorm": "runtime.tasks.layernorm:LayerNorm",
+    "gelu": "runtime.tasks.gelu:Gelu",
     "matmul_cuda": "runtime.tasks.matmul_cuda:MatmulCuda",
     "softmax_cuda": "runtime.tasks.softmax_cuda:SoftmaxCuda",
     "engine": "runtime.engine.task:EngineTask",

@@ -71,14 +71,17 @@ class Engine:
         return out
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """``[len(texts), dim]`` unit-norm embeddings, computed in the caller's thread in batches of max_batch."""
+        """``[len(texts), dim]`` unit-norm embeddings, computed in the caller's thread.
+
+        Texts run sorted by length in batches of ``max_batch`` (all of them are here already, so
+        there is nothing to schedule); results come back in the order of ``texts``.
+        """
         seqs = self.model.tokenizer.encode_batch(texts)
         out = np.empty((len(seqs), self.dim), np.float32)
-        order = np.argsort([len(s) for s in seqs], kind="stable") if self.config.bucketing != "none" else None
-        idx = np.arange(len(seqs)) if order is None else order
+        order = np.argsort([len(s) for s in seqs], kind="stable")
         step = self.config.max_batch
-        for i in range(0, len(idx), step):
-            chunk = idx[i : i + step]
+        for i in range(0, len(order), step):
+            chunk = order[i : i + step]
             out[chunk] = self.run_batch([seqs[j] for j in chunk])
         return out
 

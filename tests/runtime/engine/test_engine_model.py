@@ -56,3 +56,16 @@ def test_reduced_precision_is_measured_against_the_floor(model, sentences, refer
     c = cosines(got, reference_embeddings)
     print(f"{precision}: min cosine {c.min():.5f}")
     assert 0.99 <= c.min() < 1.0
+
+
+def test_the_serving_path_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom runtime.engine import Engine, EngineConfig, load_model, numpy_ops\n"
+            "e = Engine(load_model(), numpy_ops(), EngineConfig())\n"
+            "with e:\n    e.submit('hello there').result()\n"
+            "print(sorted(m for m in ('torch', 'sentence_transformers', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

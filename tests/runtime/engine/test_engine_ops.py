@@ -1,5 +1,5 @@
 """Every slot implementation agrees with numpy: the numpy defaults with float64 math, the C kernels
-(the layernorm and softmax tasks' seeds and template points) with the numpy defaults."""
+(the layernorm, softmax and gelu tasks' seeds and template points) with the numpy defaults."""
 
 from __future__ import annotations
 
@@ -56,6 +56,9 @@ def _points(task_name: str) -> list[Genome]:
     if task_name == "layernorm":
         points += [Genome(params={"VEC": v, "UNROLL": u, "PASSES": p})
                    for v, u, p in itertools.product((8, 16), (1, 4), ("TWO", "ONE"))]
+    elif task_name == "gelu":
+        points += [Genome(params={"VEC": v, "UNROLL": u, "ERF": e})
+                   for v, u, e in itertools.product((8, 16), (1, 2), ("POLY", "LIBM"))]
     else:
         points += [Genome(params={"VEC": 16, "UNROLL": 2, "ROWS_PER_BLOCK": r, "PASSES": p, "EXP": "POLY"})
                    for r, p in itertools.product((1, 2), ("THREE", "ONLINE"))]
@@ -93,6 +96,18 @@ def test_c_softmax_slot_agrees_with_numpy(genome, tmp_path):
         ops.close()
 
 
+@pytest.mark.parametrize("genome", _points("gelu"), ids=lambda g: str(g.params or "naive"))
+def test_c_gelu_slot_agrees_with_numpy(genome, tmp_path):
+    ops = _kernel_ops("gelu", genome, str(tmp_path))
+    try:
+        for rows, cols in ((1, 1536), (33, 1536), (3, 37)):
+            x = (RNG.standard_normal((rows, cols)) * 4).astype(np.float32)
+            b = RNG.standard_normal(cols).astype(np.float32)
+            np.testing.assert_allclose(ops.gelu(x, b), np_bias_gelu(x, b), rtol=1e-4, atol=2e-6)
+    finally:
+        ops.close()
+
+
 def test_engine_with_c_slots_matches_numpy_engine(model, sentences, tmp_path):
     """A forward pass with both slots filled by C kernels gives the numpy engine's embeddings."""
     ln = load_task_class("layernorm")()
@@ -101,10 +116,11 @@ def test_engine_with_c_slots_matches_numpy_engine(model, sentences, tmp_path):
         "layernorm": KernelSource("layernorm", "t", ln.render(Genome(params={"VEC": 16, "UNROLL": 2,
                                                                           "PASSES": "TWO"})), ()),
         "softmax": KernelSource("softmax", "t", sm.render(_points("softmax")[-1]), ()),
+        "gelu": KernelSource("gelu", "t", load_task_class("gelu")().render(_points("gelu")[2]), ()),
     }
     ops = build_ops(kernels, compiler=CompilerSettings(), cache_dir=str(tmp_path))
     try:
-        assert set(ops.kernels) == {"layernorm", "softmax"}
+        assert set(ops.kernels) == {"layernorm", "softmax", "gelu"}
         got = embed_sorted(model, sentences[:12], ops)
         want = embed_sorted(model, sentences[:12], numpy_ops())
         assert np.sum(got * want, axis=1).min() >= 0.99999

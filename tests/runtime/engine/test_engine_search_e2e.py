@@ -22,6 +22,10 @@ def evo(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def write(tmp_path: Path, name: str, cfg: dict) -> Path:
+    from evo.config import RunConfig
+
+    if "memory" in RunConfig.model_fields:  # keep the shared memory of discoveries out of this test
+        cfg = {**cfg, "memory": {"enabled": False}}
     p = tmp_path / f"{name}.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p

@@ -1,0 +1,46 @@
+"""``evo serve``: host a run's engine elite over HTTP (the ``serve`` extra; see :mod:`serving`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from evo.errors import UserError
+
+__all__ = ["serve"]
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--elite", default="best", show_default=True,
+              help="engine elite id (or unique prefix), 'best', or 'default' (the default engine configuration)")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind (loopback by default)")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="port to listen on")
+@click.option("--api-key-env", metavar="NAME", help="environment variable holding the API key (bearer token); "
+              "required for /admin, and then for /v1 too")
+@click.option("--max-in-flight", default=256, show_default=True, type=click.IntRange(min=1),
+              help="embeddings requests served at once; more get 429")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="seconds to finish in-flight requests after SIGTERM")
+@click.option("--warmup", default=8, show_default=True, type=click.IntRange(min=1),
+              help="texts run through an engine before it serves (at start-up and on a switch)")
+def serve(run_dir: Path, elite: str, host: str, port: int, api_key_env: str | None, max_in_flight: int,
+          drain_timeout: float, warmup: int) -> None:
+    """Serve RUN_DIR's engine elite: OpenAI-compatible /v1/embeddings, archive queries, kernel invocation,
+    /health, /ready, /metrics. A run that is not an engine run (or has no ok engine candidate) is served
+    with the default engine configuration, and says so. SIGTERM drains in-flight requests, then exits 0."""
+    try:
+        from serving import Limits, ServeError
+        from serving import serve as run_server
+    except ImportError as exc:
+        raise UserError(f"evo serve needs the serve extra ({exc.name} is missing): "
+                        "pip install -c constraints.txt -e '.[serve,engine]'") from None
+    try:
+        code = run_server(run_dir, elite=elite, host=host, port=port, api_key_env=api_key_env,
+                          limits=Limits(max_in_flight=max_in_flight), drain_timeout=drain_timeout,
+                          warmup=warmup)
+    except ServeError as exc:
+        raise UserError(str(exc)) from None
+    sys.exit(code)

@@ -1,0 +1,139 @@
+"""The ASGI app: routes, auth, health, readiness, metrics, admin, and the engine's lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp
+
+from serving import _archive_api, _embeddings
+from serving._errors import APIError, BodyLimit, install_error_handlers
+from serving._kernels import KernelInvoker
+from serving._metrics import Metrics, RequestCounter
+from serving._runner import EliteNotFound, EngineHost, ServeError
+from serving._state import Limits, State
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("serving")
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _check_key(state: State, request: Request) -> None:
+    token = _bearer(request)
+    if token is None or not hmac.compare_digest(token.encode(), (state.api_key or "").encode()):
+        raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key",
+                       headers={"www-authenticate": "Bearer"})
+
+
+def user_auth(request: Request) -> None:
+    """``/v1/*``: the key is required only when one is configured."""
+    state: State = request.app.state.serving
+    if state.api_key is not None:
+        _check_key(state, request)
+
+
+def admin_auth(request: Request) -> None:
+    """``/admin/*``: always needs the key; refused outright when none is configured."""
+    state: State = request.app.state.serving
+    if state.api_key is None:
+        raise APIError(403, "admin is disabled: start evo serve with --api-key-env NAME to enable it",
+                       code="admin_disabled")
+    _check_key(state, request)
+
+
+class SwitchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(max_length=64, description="an engine elite id or prefix of the served run, 'best' or 'default'")
+
+
+def _routes(app: FastAPI) -> None:
+    swap_lock = asyncio.Lock()
+
+    @app.get("/health", tags=["ops"])
+    async def health() -> dict[str, str]:
+        """Alive (answers even while the engine loads or works)."""
+        return {"status": "ok"}
+
+    @app.get("/ready", tags=["ops"], responses={503: {"description": "still loading"}})
+    async def ready(request: Request) -> Any:
+        """200 once the engine is loaded and warmed, 503 before."""
+        state: State = request.app.state.serving
+        runner = state.host.current
+        if runner is None:
+            msg = f"loading failed: {state.load_error}" if state.load_error else "the engine is loading"
+            return APIError(503, msg, code="not_ready").response()
+        return {"status": "ready", "elite": runner.served.elite, "serving": runner.served.note}
+
+    @app.get("/metrics", tags=["ops"], response_class=Response)
+    async def metrics(request: Request) -> Response:
+        """Prometheus text format."""
+        return Response(request.app.state.serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/admin/elite", tags=["admin"], dependencies=[Depends(admin_auth)])
+    async def switch(body: SwitchRequest, request: Request) -> JSONResponse:
+        """Loads and warms another engine elite, then serves it; requests in flight finish on the old one."""
+        state: State = request.app.state.serving
+        if swap_lock.locked():
+            raise APIError(409, "another switch is in progress", code="switch_in_progress")
+        async with swap_lock:
+            try:
+                served = await asyncio.to_thread(state.host.switch, body.id.strip())
+            except EliteNotFound as exc:
+                raise APIError(404, str(exc), param="id", code="elite_not_found") from None
+            except ServeError as exc:
+                raise APIError(400, str(exc), param="id") from None
+        return JSONResponse({"status": "switched", "elite": served.elite, "serving": served.note})
+
+
+def create_app(run_dir: str | Path, *, elite: str = "best", api_key: str | None = None,
+               limits: Limits | None = None, warmup: int = 8) -> ASGIApp:
+    """The serving app for ``run_dir``; the engine (``elite``) loads in the background at start-up."""
+    run_dir = Path(run_dir)
+    limits = limits or Limits()
+    metrics = Metrics()
+    state = State(host=EngineHost(run_dir, metrics, warmup=warmup),
+                  kernels=KernelInvoker(run_dir, max_elements=limits.max_kernel_elements,
+                                        timeout_s=limits.kernel_timeout_s),
+                  metrics=metrics, limits=limits, api_key=api_key or None, elite=elite)
+
+    def load() -> None:
+        try:
+            state.host.switch(state.elite)
+        except Exception as exc:  # noqa: BLE001 - /ready says why; the process stays up for diagnosis
+            state.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("cannot load the engine")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        threading.Thread(target=load, name="evoforge-load", daemon=True).start()
+        yield
+        await asyncio.to_thread(state.host.close)  # finishes every queued text
+        await asyncio.to_thread(state.kernels.close)
+
+    app = FastAPI(title="evoforge serving", version="0.1.0", lifespan=lifespan,
+                  description="An engine elite of an evoforge run: OpenAI-compatible embeddings, archive queries, "
+                              "kernel invocation, health and Prometheus metrics.")
+    app.state.serving = state
+    install_error_handlers(app)
+    _routes(app)
+    app.include_router(_embeddings.router, dependencies=[Depends(user_auth)])
+    app.include_router(_archive_api.router, dependencies=[Depends(user_auth)])
+    return RequestCounter(BodyLimit(app, max_bytes=limits.max_body_bytes), metrics=metrics)

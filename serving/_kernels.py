@@ -1,0 +1,140 @@
+"""``POST /v1/kernels/{id}/invoke``: one call of a kernel elite on the caller's arrays, in a sandboxed worker.
+
+The inputs are checked against the task (names, shapes and dtypes for the given case, sizes capped)
+here; the call itself goes through the runtime's pool like any evaluation (``stages="run"``): guarded
+buffers, poisoned outputs, integrity checks, a wall-clock limit, and the outputs come back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.executor import EvalRequest
+from runtime.pool import LocalPool
+from runtime.settings import EvalSettings, TaskSpec
+from runtime.task import Task, load_task_class
+from serving._errors import APIError
+from serving._runs import ID_PATTERN, open_store, stored_config
+
+__all__ = ["KernelInvoker"]
+
+
+def _jsonable(a: np.ndarray) -> Any:
+    """Nested lists; NaN and infinities (not JSON) become null."""
+    if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
+        return np.where(np.isfinite(a), a, None).tolist()
+    return a.tolist()
+
+
+class KernelInvoker:
+    """Invokes the C kernel elites of one run; one call at a time, in one reused sandboxed worker."""
+
+    def __init__(self, run_dir: Path, *, max_elements: int = 1 << 18, timeout_s: float = 30.0) -> None:
+        self.run_dir, self.max_elements, self.timeout_s = run_dir, max_elements, timeout_s
+        self._pool: LocalPool | None = None
+        self._lock = threading.Lock()
+        self._task: tuple[TaskSpec, Task, EvalSettings, tuple[str, ...]] | None = None
+
+    def _load(self) -> tuple[TaskSpec, Task, EvalSettings, tuple[str, ...]]:
+        if self._task is None:
+            cfg = stored_config(self.run_dir)
+            with open_store(self.run_dir) as store:
+                sys_path = tuple(json.loads(store.get_meta("sys_path") or "[]"))
+            for p in sys_path:  # a user's task module, as the run found it
+                if p not in sys.path:
+                    sys.path.append(p)
+            spec = TaskSpec.model_validate(cfg["task"])
+            settings = EvalSettings.model_validate(cfg.get("evaluation") or {})
+            sandbox = settings.sandbox.model_copy(update={"timeout": min(settings.sandbox.timeout, self.timeout_s)})
+            self._task = (spec, load_task_class(spec.name)(spec.args), settings.model_copy(update={"sandbox": sandbox}),
+                          sys_path)
+        return self._task
+
+    def _case(self, task: Task, case: dict[str, Any] | None) -> dict[str, int]:
+        want = task.full_case()
+        case = dict(case or {})
+        if set(case) != set(want):
+            raise APIError(400, f"case must give exactly {sorted(want)} (the {task.name} task's sizes)", param="case")
+        for k, v in case.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise APIError(400, f"case.{k} must be a positive integer", param=f"case.{k}")
+        if math.prod(case.values()) > self.max_elements * 64:
+            raise APIError(400, f"case {case} is too large for this endpoint", param="case", code="too_large")
+        return case
+
+    def _inputs(self, task: Task, case: dict[str, int], given: dict[str, Any]) -> dict[str, np.ndarray]:
+        spec = task.inputs(case, np.random.default_rng(0))
+        if set(given) != set(spec):
+            raise APIError(400, f"inputs must be exactly {sorted(spec)} for the {task.name} task", param="inputs")
+        out_elems = sum(math.prod(shape) for shape, _ in task.outputs(case).values())
+        if sum(a.size for a in spec.values()) + out_elems > self.max_elements:
+            raise APIError(400, f"inputs and outputs over {self.max_elements} elements", param="inputs",
+                           code="too_large")
+        arrays = {}
+        for name, ref in spec.items():
+            try:
+                a = np.asarray(given[name], dtype=ref.dtype)
+            except (ValueError, TypeError):
+                raise APIError(400, f"inputs.{name} is not a rectangular array of numbers",
+                               param=f"inputs.{name}") from None
+            if a.shape != ref.shape:
+                raise APIError(400, f"inputs.{name} has shape {list(a.shape)}; case {case} needs {list(ref.shape)}",
+                               param=f"inputs.{name}", code="wrong_shape")
+            arrays[name] = np.ascontiguousarray(a)
+        return arrays
+
+    def invoke(self, cid: str, case: dict[str, Any] | None, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The kernel's outputs on ``inputs``; raises :class:`APIError` for a bad request."""
+        if not ID_PATTERN.match(cid):
+            raise APIError(400, f"{cid!r} is not a candidate id (hex)", param="id")
+        spec, task, settings, sys_path = self._load()
+        if task.backend != "c":
+            raise APIError(400, f"the {task.name} task's candidates are not C kernels: nothing to invoke",
+                           code="not_a_kernel")
+        with open_store(self.run_dir) as store:
+            try:
+                cand = store.get(cid)
+            except KeyError as exc:
+                raise APIError(400, str(exc.args[0] if exc.args else exc), param="id") from None
+        if cand is None:
+            raise APIError(404, f"no candidate {cid!r} in this run", param="id", code="elite_not_found")
+        if str(cand.status) != "ok":
+            raise APIError(409, f"candidate {cand.id[:12]} is {cand.status}, not ok", param="id")
+        case_ = self._case(task, case)
+        arrays = self._inputs(task, case_, inputs)
+        request = EvalRequest(key=cand.id, genome=cand.genome, task=spec, settings=settings,
+                              cache_dir=str(self.run_dir / "cache"), sys_path=sys_path, stages="run",
+                              case=case_, inputs=arrays)
+        with self._lock:
+            if self._pool is None:
+                self._pool = LocalPool(workers=1)
+            (self.run_dir / "cache").mkdir(exist_ok=True)
+            self._pool.submit(request)
+            got = self._pool.next_result(timeout=settings.sandbox.timeout + 30)
+        if got is None:
+            raise APIError(504, "the kernel did not answer in time", type="server_error", code="timeout")
+        result = got[1]
+        if str(result.status) != "ok" or result.outputs is None:
+            raise APIError(422, f"the kernel failed on these inputs ({result.status}): {result.error}",
+                           code=str(result.status))
+        return {
+            "id": cand.id, "task": spec.name, "case": case_,
+            "outputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype), "data": _jsonable(v)}
+                        for k, v in result.outputs.items()},
+            "matches_reference": result.metrics.get("matches_reference"),
+            "reference_mismatch": result.metrics.get("reference_mismatch"),
+            "timings": result.timings,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None

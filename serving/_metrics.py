@@ -1,0 +1,71 @@
+"""Prometheus metrics of one app (its own registry): requests by route and status, and the engine's
+queue, tokenisation, inference, batch size, tokens per batch and queue depth."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["Metrics", "RequestCounter"]
+
+_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    """The app's collectors; ``render()`` is the text exposition format."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("evoforge_requests", "HTTP requests by route, method and status",
+                                ["route", "method", "status"], registry=r)
+        self.latency = Histogram("evoforge_request_seconds", "request latency by route", ["route"],
+                                 buckets=_SECONDS, registry=r)
+        self.queue = Histogram("evoforge_queue_seconds", "time a text waited for its batch", buckets=_SECONDS,
+                               registry=r)
+        self.tokenize = Histogram("evoforge_tokenize_seconds", "tokenisation time of a request", buckets=_SECONDS,
+                                  registry=r)
+        self.inference = Histogram("evoforge_inference_seconds", "run time of a batch", buckets=_SECONDS,
+                                   registry=r)
+        self.batch_size = Histogram("evoforge_batch_size", "texts per batch", buckets=[2**i for i in range(10)],
+                                    registry=r)
+        self.batch_tokens = Histogram("evoforge_batch_tokens", "tokens per batch", buckets=[2**i for i in range(3, 16)],
+                                      registry=r)
+        self.queue_depth = Gauge("evoforge_queue_depth", "texts queued in the engine's batcher", registry=r)
+        self.in_flight = Gauge("evoforge_in_flight_requests", "embeddings requests being served", registry=r)
+        self.rejected = Counter("evoforge_rejected", "requests refused or dropped, by reason", ["reason"],
+                                registry=r)
+
+    def watch_queue(self, depth: Callable[[], float]) -> None:
+        self.queue_depth.set_function(depth)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestCounter:
+    """ASGI middleware counting every HTTP request by its route template (not its raw path) and status."""
+
+    def __init__(self, app: ASGIApp, *, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+        t0 = time.perf_counter()
+
+        async def send_status(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.metrics.requests.labels(route, scope["method"], str(status[0])).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - t0)

@@ -1,0 +1,157 @@
+"""The engine behind the API: which elite is served, its batcher with per-request timings, and hot swaps.
+
+A thin adapter over :mod:`runtime.engine`: the engine's own :class:`runtime.engine.Batcher` runs
+:meth:`Engine.run_batch`, wrapped to stamp each batch's start, end, size and tokens, so a response can
+say how long its texts queued and ran. Swapping starts and warms the new engine first, then points new
+requests at it; the old one finishes what it already holds before it closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from serving._metrics import Metrics
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine, Model
+
+__all__ = ["BatchInfo", "EliteNotFound", "EngineHost", "EngineRunner", "ServeError", "Served"]
+
+log = logging.getLogger("serving")
+
+
+class ServeError(ValueError):
+    """A problem with what the user asked to serve (the CLI prints it as one line, exit 2)."""
+
+
+class EliteNotFound(ServeError):
+    """The run holds no candidate with that id."""
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    start: float  # perf_counter when the batch began running
+    end: float
+    size: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Served:
+    """What is served: the elite id (``None`` for the default configuration) and a description."""
+
+    elite: str | None
+    run_dir: str
+    note: str
+
+
+class EngineRunner:
+    """One started engine: ``submit(token ids)`` -> future of ``(embedding, BatchInfo)``."""
+
+    def __init__(self, engine: Engine, served: Served, metrics: Metrics) -> None:
+        from runtime.engine import Batcher
+
+        self.engine, self.served, self._metrics = engine, served, metrics
+        c = engine.config
+        self.batcher: Batcher[np.ndarray, tuple[np.ndarray, BatchInfo]] = Batcher(
+            self._run, max_batch=c.max_batch, token_budget=c.token_budget, max_wait_ms=c.max_wait_ms,
+            queue_size=c.queue_size, workers=c.workers, bucketing=c.bucketing == "queue", name="evoforge-serve")
+
+    def _run(self, seqs: list[np.ndarray]) -> list[tuple[np.ndarray, BatchInfo]]:
+        t0 = time.perf_counter()
+        out = self.engine.run_batch(seqs)
+        info = BatchInfo(t0, time.perf_counter(), len(seqs), sum(len(s) for s in seqs))
+        m = self._metrics
+        m.inference.observe(info.end - info.start)
+        m.batch_size.observe(info.size)
+        m.batch_tokens.observe(info.tokens)
+        return [(out[i], info) for i in range(len(seqs))]
+
+    @property
+    def free(self) -> int:
+        return self.batcher.queue_size - self.batcher.queued
+
+    def submit(self, seq: np.ndarray) -> Future[tuple[np.ndarray, BatchInfo]]:
+        """Raises :class:`runtime.engine.QueueFull` when the queue is full."""
+        return self.batcher.submit(seq, len(seq))
+
+    def warm(self, texts: Sequence[str]) -> None:
+        """Runs ``texts`` through the batcher once (first-call costs: allocation, kernel loading)."""
+        seqs = self.engine.model.tokenizer.encode_batch(list(texts))
+        for f in [self.submit(s) for s in seqs]:
+            f.result()
+
+    def close(self) -> None:
+        """Finishes every queued text, then frees the engine's kernels."""
+        self.batcher.close()
+        self.engine.close()
+
+
+_WARM_TEXTS = ["warm up", "a somewhat longer sentence to warm up the engine's larger shapes " * 4]
+
+
+class EngineHost:
+    """Holds the current :class:`EngineRunner` of a run directory and swaps it on request."""
+
+    def __init__(self, run_dir: Path, metrics: Metrics, *, warmup: int = 8) -> None:
+        self.run_dir, self.metrics, self.warmup = run_dir, metrics, warmup
+        self.current: EngineRunner | None = None
+        self.model: Model | None = None
+        self._swap = threading.Lock()
+        metrics.watch_queue(lambda: float(self.current.batcher.queued) if self.current else 0.0)
+
+    @property
+    def ready(self) -> bool:
+        return self.current is not None
+
+    def build(self, elite: str) -> EngineRunner:
+        """Loads (``best``, an id or prefix, or ``default``), starts and warms an engine; slow, call in a thread."""
+        from runtime.engine import Engine, EngineConfig, load_elite, load_model, numpy_ops
+        from serving._runs import resolve_engine_elite
+
+        if self.model is None:
+            self.model = load_model()
+        eid, note = resolve_engine_elite(self.run_dir, elite)
+        if eid is None:
+            engine = Engine(self.model, numpy_ops(), EngineConfig())
+        else:
+            engine = load_elite(self.run_dir, eid, model=self.model)
+        self._blas(engine.config.blas_threads)
+        runner = EngineRunner(engine, Served(eid, str(self.run_dir), note), self.metrics)
+        try:
+            runner.warm((_WARM_TEXTS * self.warmup)[: max(1, self.warmup)])
+        except BaseException:
+            runner.close()
+            raise
+        return runner
+
+    @staticmethod
+    def _blas(threads: int) -> None:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=threads, user_api="blas")  # process-wide; the server owns the process
+
+    def switch(self, elite: str) -> Served:
+        """Builds and warms ``elite``, then serves it; the old engine drains in the background."""
+        with self._swap:
+            runner = self.build(elite)
+            old, self.current = self.current, runner
+        log.info("serving %s", runner.served.note)
+        if old is not None:
+            threading.Thread(target=old.close, name="evoforge-drain", daemon=True).start()
+        return runner.served
+
+    def close(self) -> None:
+        with self._swap:
+            if self.current is not None:
+                self.current.close()
+                self.current = None

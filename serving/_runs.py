@@ -1,0 +1,95 @@
+"""Read-only views of the served run directory (archive.Store): its task, its engine elites, its kernels."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from archive import Store, StoreError
+
+__all__ = ["ID_PATTERN", "is_engine_run", "open_store", "resolve_engine_elite", "run_task", "stored_config"]
+
+ID_PATTERN = re.compile(r"^[0-9a-fA-F]{1,64}$")  # a candidate id or prefix: hex only, never a path
+
+
+@contextmanager
+def open_store(run_dir: Path) -> Iterator[Store]:
+    """The run's store, read-only (one per call: sqlite connections stay in their thread)."""
+    from serving._runner import ServeError
+
+    try:
+        store = Store(run_dir, readonly=True)
+    except StoreError as exc:
+        raise ServeError(f"{run_dir}: {exc} (give the directory of an evo run)") from None
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def stored_config(run_dir: Path) -> dict[str, Any]:
+    """The run's frozen config as a dict."""
+    from serving._runner import ServeError
+
+    with open_store(run_dir) as store:
+        text = store.get_meta("config")
+    if not text:
+        raise ServeError(f"{run_dir} has no stored config: it was not written by evo run")
+    return dict(yaml.safe_load(text))
+
+
+def run_task(run_dir: Path) -> str:
+    return str(stored_config(run_dir)["task"]["name"])
+
+
+def is_engine_run(run_dir: Path) -> bool:
+    from runtime.task import load_task_class
+
+    try:
+        from runtime.engine.task import EngineTask
+    except ImportError:
+        return False
+    return issubclass(load_task_class(run_task(run_dir)), EngineTask)
+
+
+def resolve_engine_elite(run_dir: Path, elite: str) -> tuple[str | None, str]:
+    """``(full id or None for the default configuration, a note saying what is served)``.
+
+    ``best``: the fittest ok candidate of an engine run, or the default engine configuration when the
+    run is not an engine run or has no ok candidate yet. ``default``: the default configuration.
+    Anything else must be an ok candidate (id or unique prefix) of an engine run.
+    """
+    from serving._runner import EliteNotFound, ServeError
+
+    if elite == "default":
+        return None, "the default engine configuration (EngineConfig())"
+    engine = is_engine_run(run_dir)
+    if elite == "best":
+        if not engine:
+            return None, (f"the default engine configuration: {run_dir} is a {run_task(run_dir)!r} run, "
+                          "not an engine run (evolve one with configs/engine_minilm.yaml)")
+        with open_store(run_dir) as store:
+            best = store.best(1)
+        if not best:
+            return None, f"the default engine configuration: {run_dir} has no ok engine candidate yet"
+        return best[0].id, f"engine elite {best[0].id[:12]} (best of {run_dir}, {best[0].fitness:.1f} {best[0].unit})"
+    if not ID_PATTERN.match(elite):
+        raise ServeError(f"elite {elite!r} is not an id: give a hex id or prefix, 'best' or 'default'")
+    if not engine:
+        raise ServeError(f"{run_dir} is a {run_task(run_dir)!r} run: it holds no engine elite "
+                         "(serve an engine run, or --elite best for the default configuration)")
+    with open_store(run_dir) as store:
+        try:
+            cand = store.get(elite)
+        except KeyError as exc:
+            raise ServeError(str(exc.args[0] if exc.args else exc)) from None
+    if cand is None:
+        raise EliteNotFound(f"no candidate {elite!r} in {run_dir} (list some with: evo archive best {run_dir})")
+    if str(cand.status) != "ok":
+        raise ServeError(f"candidate {cand.id[:12]} is {cand.status}, not ok: serve an ok elite")
+    return cand.id, f"engine elite {cand.id[:12]} of {run_dir}"

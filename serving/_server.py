@@ -1,0 +1,77 @@
+"""``evo serve``: check what to serve, then run the app on uvicorn until SIGTERM or Ctrl-C.
+
+On SIGTERM the server stops accepting connections, finishes the requests in flight (up to
+``drain_timeout`` seconds, well above the worst-case batch time), drains the engine's queue and
+returns 0 (the exit code of ``evo serve`` after a graceful stop). Ctrl-C (SIGINT) does the same and
+then exits 130, like every evo command.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+from serving._runner import ServeError
+from serving._runs import resolve_engine_elite, stored_config
+from serving._state import Limits
+
+__all__ = ["serve"]
+
+log = logging.getLogger("serving")
+
+
+def _check_port(host: str, port: int) -> None:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ServeError(f"cannot resolve --host {host!r}: {exc.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror} (choose another --port)") from None
+
+
+def serve(run_dir: str | Path, *, elite: str = "best", host: str = "127.0.0.1", port: int = 8000,
+          api_key_env: str | None = None, limits: Limits | None = None, drain_timeout: float = 30.0,
+          warmup: int = 8) -> int:
+    """Serves ``run_dir`` until a signal; returns the exit code (0 after a graceful SIGTERM).
+
+    Raises :class:`ServeError` for what the user can fix (no run, unknown elite, missing key, busy port).
+    """
+    import uvicorn
+
+    from serving._app import create_app
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "archive.db").is_file():
+        raise ServeError(f"no run in {run_dir} (expected {run_dir / 'archive.db'}): give the directory of an evo run")
+    stored_config(run_dir)
+    api_key = None
+    if api_key_env:
+        api_key = os.environ.get(api_key_env) or None
+        if api_key is None:
+            raise ServeError(f"--api-key-env {api_key_env}: the variable is unset or empty "
+                             "(export it, or drop the flag)")
+    _, note = resolve_engine_elite(run_dir, elite)
+    _check_port(host, port)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("serving %s on http://%s:%d (docs at /docs)", note, host, port)
+    if api_key is None:
+        log.info("no API key: /v1 is open and /admin is disabled (use --api-key-env NAME)")
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        log.warning("listening on %s without an API key: anyone who reaches this port can use the API", host)
+    app = create_app(run_dir, elite=elite, api_key=api_key, limits=limits, warmup=warmup)
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain_timeout, log_level="info",
+                            access_log=False, lifespan="on")
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal it stopped on once it has drained; a handler here turns a SIGTERM
+    # into a normal return (exit 0). SIGINT keeps Python's handler: KeyboardInterrupt, exit 130.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    return 0
