@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--related", type=int, default=768, help="matmul size of the related searches")
     ap.add_argument("--evals", type=int, default=120, help="budget of each search")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seed-k", type=int, default=None, help="memory seeds per run (default: the memory's seed_k)")
     ap.add_argument("--initial-random", type=int, default=None,
                     help="random samples in each initial population (default: the config's)")
     ap.add_argument("--json", action="store_true")
@@ -73,6 +74,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="evoforge-warm-") as t:
         tmp = Path(t)
         memory = {"enabled": True, "path": str(tmp / "memory")}
+        if args.seed_k is not None:
+            memory["seed_k"] = args.seed_k
         _, base_s = run(tmp, "base", config(args.base, args.evals, args.seed, memory, args.initial_random))
         related = (args.related, args.evals, args.seed + 1)
         cold_dir, cold_s = run(tmp, "cold", config(*related, {"enabled": False}, args.initial_random))
@@ -83,7 +86,7 @@ def main() -> None:
         n_cold, n_warm = evals_to_reach(cold, level), evals_to_reach(warm, level)
         out = {
             "base": args.base, "related": args.related, "evals_per_run": args.evals,
-            "initial_random": args.initial_random,
+            "initial_random": args.initial_random, "seed_k": args.seed_k,
             "seconds": {"base": base_s, "cold": cold_s, "warm": warm_s},
             "best_vs_reference": {"cold": best_cold, "warm": max(vs for _, vs, _ in warm)},
             "level": level, "evals_to_level": {"cold": n_cold, "warm": n_warm},
