@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from runtime.result import Status
 from runtime.task import load_task_class
 from serving._errors import APIError
-from serving._runs import ID_PATTERN, open_store, stored_config
+from serving._runs import ID_PATTERN, candidate, open_store, stored_config
 from serving._state import State
 
 __all__ = ["router"]
@@ -47,12 +47,7 @@ async def elites(request: Request, task: str | None = Query(None, max_length=200
 def _elite(state: State, cid: str) -> dict[str, Any]:
     cfg = stored_config(state.host.run_dir)
     with open_store(state.host.run_dir) as store:
-        try:
-            cand = store.get(cid)
-        except KeyError as exc:
-            raise APIError(400, str(exc.args[0] if exc.args else exc), param="id") from None
-        if cand is None:
-            raise APIError(404, f"no candidate {cid!r} in this run", param="id", code="elite_not_found")
+        cand = candidate(store, cid)
         lineage = [{"id": a.id, "operator": a.operator, "status": str(a.status), "fitness": a.fitness}
                    for a in store.lineage(cand.id)[1:]]
     try:

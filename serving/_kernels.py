@@ -21,7 +21,7 @@ from runtime.pool import LocalPool
 from runtime.settings import EvalSettings, TaskSpec
 from runtime.task import Task, load_task_class
 from serving._errors import APIError
-from serving._runs import ID_PATTERN, open_store, stored_config
+from serving._runs import ID_PATTERN, candidate, open_store, stored_config
 
 __all__ = ["KernelInvoker"]
 
@@ -99,12 +99,7 @@ class KernelInvoker:
             raise APIError(400, f"the {task.name} task's candidates are not C kernels: nothing to invoke",
                            code="not_a_kernel")
         with open_store(self.run_dir) as store:
-            try:
-                cand = store.get(cid)
-            except KeyError as exc:
-                raise APIError(400, str(exc.args[0] if exc.args else exc), param="id") from None
-        if cand is None:
-            raise APIError(404, f"no candidate {cid!r} in this run", param="id", code="elite_not_found")
+            cand = candidate(store, cid)
         if str(cand.status) != "ok":
             raise APIError(409, f"candidate {cand.id[:12]} is {cand.status}, not ok", param="id")
         case_ = self._case(task, case)

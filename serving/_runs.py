@@ -12,7 +12,9 @@ import yaml
 
 from archive import Store, StoreError
 
-__all__ = ["ID_PATTERN", "is_engine_run", "open_store", "resolve_engine_elite", "run_task", "stored_config"]
+__all__ = [
+    "ID_PATTERN", "candidate", "is_engine_run", "open_store", "resolve_engine_elite", "run_task", "stored_config",
+]
 
 ID_PATTERN = re.compile(r"^[0-9a-fA-F]{1,64}$")  # a candidate id or prefix: hex only, never a path
 
@@ -30,6 +32,19 @@ def open_store(run_dir: Path) -> Iterator[Store]:
         yield store
     finally:
         store.close()
+
+
+def candidate(store: Store, cid: str) -> Any:
+    """The candidate with id (or unique prefix) ``cid``; a 4xx API error when ambiguous or unknown."""
+    from serving._errors import APIError
+
+    try:
+        cand = store.get(cid)
+    except KeyError as exc:
+        raise APIError(400, str(exc.args[0] if exc.args else exc), param="id") from None
+    if cand is None:
+        raise APIError(404, f"no candidate {cid!r} in this run", param="id", code="elite_not_found")
+    return cand
 
 
 def stored_config(run_dir: Path) -> dict[str, Any]:

@@ -50,5 +50,5 @@ def _keys(model, prefix=""):
 
 
 def test_the_config_reference_lists_every_key():
-    documented = set(re.findall(r"^\| `([a-z_.]+)` \|", README, re.M))
+    documented = set(re.findall(r"^\| `([a-z0-9_.]+)` \|", README, re.M))
     assert set(_keys(RunConfig)) <= documented

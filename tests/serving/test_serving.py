@@ -187,6 +187,21 @@ def test_overflow_gets_429(engine_server: Server) -> None:
     assert all(g[1]["error"]["type"] == "rate_limit_error" for g in got if g[0] == 429)
 
 
+def test_bounded_load_has_zero_errors(engine_server: Server) -> None:
+    # 8 closed-loop clients, 80 requests in all: within the in-flight cap, so every one must succeed
+    def one(i: int) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        status, body, _ = engine_server.call("POST", "/v1/embeddings", {"input": TEXTS[i % len(TEXTS)]})
+        assert status != 200 or len(body["data"]) == 1
+        return status, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, range(80)))
+    assert [st for st, _ in got] == [200] * 80
+    latencies = sorted(dt for _, dt in got)
+    assert latencies[-1] < 30.0  # bounded: nothing hangs
+
+
 def test_admin_switch_under_load_loses_nothing(engine_server: Server, runs) -> None:
     from archive import Store
 
