@@ -188,14 +188,14 @@ def test_overflow_gets_429(engine_server: Server) -> None:
 
 
 def test_bounded_load_has_zero_errors(engine_server: Server) -> None:
-    # 8 closed-loop clients, 80 requests in all: within the in-flight cap, so every one must succeed
+    # 4 closed-loop clients (the fixture caps in-flight requests at 6), 80 requests: every one must succeed
     def one(i: int) -> tuple[int, float]:
         t0 = time.perf_counter()
         status, body, _ = engine_server.call("POST", "/v1/embeddings", {"input": TEXTS[i % len(TEXTS)]})
         assert status != 200 or len(body["data"]) == 1
         return status, time.perf_counter() - t0
 
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(one, range(80)))
     assert [st for st, _ in got] == [200] * 80
     latencies = sorted(dt for _, dt in got)
