@@ -1,4 +1,6 @@
-"""Suite-wide: runs started by tests never touch the user's memory of discoveries."""
+"""Suite-wide fixtures. This file sits at the repository root so that the packages import from this tree
+(a conftest in tests/ would put tests/ first on sys.path, where tests/genome etc. would shadow them):
+runs started by tests never touch the user's memory of discoveries."""
 
 import os
 
