@@ -131,19 +131,34 @@ def compile_source(
     return CompileResult(final, False, time.perf_counter() - t0)
 
 
-def _run_compiler(cmd: list[str], compiler: CompilerSettings, cwd: str) -> None:
+def run_tool(
+    cmd: list[str],
+    *,
+    cwd: str,
+    timeout: float,
+    not_found: Callable[[str], Exception],
+    env: dict[str, str] | None = None,
+) -> tuple[int, str]:
+    """Runs a compiler (cc, nvcc) in ``cwd``: ``(exit code, output)``. Past ``timeout`` its whole process
+    tree is killed (CompileError); a missing executable raises ``not_found(reason)``."""
     try:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     except (FileNotFoundError, PermissionError) as exc:
-        raise CompilerNotFound(compiler.cc, exc.strerror or "") from None
+        raise not_found(exc.strerror or "") from None
     try:
-        output, _ = proc.communicate(timeout=compiler.timeout)
+        output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_tree(proc.pid)
         proc.communicate()
-        raise CompileError(f"the compiler did not finish within {compiler.timeout:g} s") from None
-    if proc.returncode != 0:
-        raise CompileError(output or f"{compiler.cc} exited with {proc.returncode}")
+        raise CompileError(f"{os.path.basename(cmd[0])} did not finish within {timeout:g} s") from None
+    return proc.returncode, output
+
+
+def _run_compiler(cmd: list[str], compiler: CompilerSettings, cwd: str) -> None:
+    code, output = run_tool(cmd, cwd=cwd, timeout=compiler.timeout,
+                            not_found=lambda why: CompilerNotFound(compiler.cc, why))
+    if code != 0:
+        raise CompileError(output or f"{compiler.cc} exited with {code}")
 
 
 def _kill_tree(pid: int) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from runtime.backends.c import CompileError, CompilerNotFound, _kill_tree, _publish, cache_key
+from runtime.backends.c import CompileError, CompilerNotFound, _publish, cache_key, run_tool
 from runtime.settings import CudaSettings
 
 __all__ = [
@@ -200,18 +200,9 @@ def compile_cuda(
 
 def _run_nvcc(cmd: list[str], settings: CudaSettings, cwd: str) -> str:
     """Runs nvcc in ``cwd`` (its own temporaries go there too); returns its output (ptxas' report)."""
-    env = {**os.environ, "TMPDIR": cwd}
-    try:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    except (FileNotFoundError, PermissionError) as exc:
-        raise NvccNotFound(settings.nvcc, exc.strerror or "") from None
-    try:
-        output, _ = proc.communicate(timeout=settings.timeout)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
-        proc.communicate()
-        raise CompileError(f"nvcc did not finish within {settings.timeout:g} s") from None
-    if proc.returncode != 0:
+    code, output = run_tool(cmd, cwd=cwd, timeout=settings.timeout, env={**os.environ, "TMPDIR": cwd},
+                            not_found=lambda why: NvccNotFound(settings.nvcc, why))
+    if code != 0:
         kept = [ln for ln in output.splitlines() if not ln.startswith("ptxas info")]  # the errors, not the report
-        raise CompileError("\n".join(kept) or f"nvcc exited with {proc.returncode}")
+        raise CompileError("\n".join(kept) or f"nvcc exited with {code}")
     return output
