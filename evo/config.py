@@ -178,6 +178,11 @@ def parse_config(data: Any, *, source: str, base_dir: Path | None = None) -> Run
         config = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise UserError(f"{source}: {_first_error(exc)}") from None
+    try:  # relative paths in task args mean relative to where `evo run` runs, as --run-dir does
+        args = load_task_class(config.task.name).absolute_paths(config.task.args, os.getcwd())
+        config = config.model_copy(update={"task": config.task.model_copy(update={"args": args})})
+    except TaskLoadError:
+        pass  # make_task says what is wrong with the name
     try:
         task = config.make_task()
     except UserError as exc:

@@ -63,6 +63,12 @@ class Task(abc.ABC):
     def __init__(self, args: Mapping[str, Any] | None = None) -> None:
         self.args = self.Args.model_validate(dict(args or {}))
 
+    @classmethod
+    def absolute_paths(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
+        """``args`` with the file paths in them made absolute against ``cwd``, as a run stores them (its
+        workers run in their own directories). The default task takes no paths: ``args`` unchanged."""
+        return dict(args)
+
     # --- what may vary --------------------------------------------------------------------------
 
     @abc.abstractmethod

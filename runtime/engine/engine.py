@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from runtime.engine.model import Model, Precision
 from runtime.engine.ops import SLOTS, Ops
 from runtime.engine.scheduler import Batcher, length_class
+from runtime.engine.workers import ProcessWorkers
 
 __all__ = ["Engine", "EngineConfig"]
 
@@ -28,8 +29,10 @@ class EngineConfig(BaseModel):
         "split", description="none: one padded batch; split: a batch runs as sub-batches of similar lengths; "
         "queue: requests queue by length class and a batch comes from one class")
     pack: bool = Field(True, description="token-wise operators run on the real tokens only (no padding)")
-    workers: int = Field(1, ge=1, description="scheduler worker threads (batches run concurrently)")
-    blas_threads: int = Field(1, ge=1, description="BLAS threads (process-wide); workers * blas_threads <= cores")
+    workers: int = Field(1, ge=1, description="scheduler workers (batches run concurrently)")
+    worker_kind: Literal["thread", "process"] = Field(
+        "thread", description="thread: workers share the interpreter; process: each runs in a forked child")
+    blas_threads: int = Field(1, ge=1, description="BLAS threads per worker; workers * blas_threads <= cores")
     precision: Precision = Field("fp32", description="GEMM weights: fp32, or rounded to bf16 / int8 per channel")
     kernels: dict[str, str] = Field(default_factory=dict, description="slot -> 'numpy' or an elite id")
     queue_size: int = Field(1024, ge=1, description="queued requests at most; more are refused")
@@ -53,6 +56,7 @@ class Engine:
         self.model, self.ops, self.config = model, ops, config
         self._batcher: Batcher[np.ndarray, np.ndarray] | None = None
         self._blas: object | None = None
+        self._procs: ProcessWorkers | None = None
 
     @property
     def dim(self) -> int:
@@ -88,18 +92,30 @@ class Engine:
     # --- serving --------------------------------------------------------------------------------
 
     def start(self) -> Engine:
-        """Sets the BLAS threads and starts the scheduler's workers."""
+        """Sets the BLAS threads, forks the worker processes (``worker_kind="process"``) and starts the
+        scheduler's threads."""
         if self._batcher is not None:
             return self
         from threadpoolctl import threadpool_limits
 
-        self._blas = threadpool_limits(limits=self.config.blas_threads, user_api="blas")
         c = self.config
+        if c.worker_kind == "process":
+            self._procs = ProcessWorkers(self.run_batch, c.workers, blas_threads=c.blas_threads)
+            run = self._procs
+        else:
+            # threads share the process-wide BLAS pool: one BLAS call per worker at a time
+            self._blas = threadpool_limits(limits=c.blas_threads, user_api="blas")
+            run = self.run_batch
         self._batcher = Batcher(
-            lambda seqs: list(self.run_batch(seqs)), max_batch=c.max_batch, token_budget=c.token_budget,
+            lambda seqs: list(run(seqs)), max_batch=c.max_batch, token_budget=c.token_budget,
             max_wait_ms=c.max_wait_ms, queue_size=c.queue_size, workers=c.workers, bucketing=c.bucketing == "queue",
         )
         return self
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The worker processes' ids (none with thread workers)."""
+        return self._procs.pids if self._procs else []
 
     def submit(self, text: str) -> Future[np.ndarray]:
         """Queues ``text``; raises :class:`runtime.engine.QueueFull` when the queue is full."""
@@ -113,10 +129,14 @@ class Engine:
         return self._batcher.batches if self._batcher else 0
 
     def close(self) -> None:
-        """Stops the scheduler (queued requests are served first), restores BLAS threads, frees kernels."""
+        """Stops the scheduler (queued requests are served first), then the worker processes; restores BLAS
+        threads, frees kernels."""
         if self._batcher is not None:
             self._batcher.close()
             self._batcher = None
+        if self._procs is not None:
+            self._procs.close()
+            self._procs = None
         if self._blas is not None:
             self._blas.restore_original_limits()  # type: ignore[attr-defined]
             self._blas = None

@@ -20,36 +20,29 @@ from runtime.cascade import Failure, WorkerContext
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.load import LoadResult, closed_loop
 from runtime.engine.task import EngineTask
+from runtime.engine.workers import proportional_mb
 from runtime.executor import EvalRequest
 from runtime.result import EvalResult, Status
 from runtime.timing import pinned
 
-__all__ = ["evaluate_engine", "measure", "resident_mb"]
+__all__ = ["evaluate_engine", "measure"]
 
 
 class _Done(Exception):
     """A partial evaluation (``request.stages``) reached its last stage."""
 
 
-def resident_mb() -> float:
-    """This process's resident set (VmRSS) in MB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    return 0.0
-
-
 def measure(engine: Engine, task: EngineTask) -> tuple[LoadResult, float, int]:
     """Starts ``engine``, runs the task's load on it, then closes it.
 
-    Returns the load's figures, the resident MB at its end, and the batches the engine ran.
+    Returns the load's figures, the memory (PSS, MB, of this process and the engine's worker processes)
+    at its end, and the batches the engine ran.
     """
     a = task.args
     with engine:
         result = closed_loop(engine.submit, task.texts(), concurrency=a.concurrency, duration_s=a.duration_s,
                              warmup_s=a.warmup_s)
-        memory, batches = resident_mb(), engine.batches
+        memory, batches = proportional_mb(engine.worker_pids), engine.batches
     return result, memory, batches
 
 

@@ -7,8 +7,8 @@ class (powers of two) and a batch comes from the class whose oldest request has 
 batch holds similar lengths and pads little; otherwise one FIFO queue. The queue is bounded: a request
 beyond ``queue_size`` is refused with :class:`QueueFull`, never buffered.
 
-Workers are threads: numpy's BLAS and ufuncs and the C kernels release the GIL, and threads share one
-copy of the weights. Process workers are not implemented (so not measured against threads yet).
+Workers are threads calling ``run``; an engine with process workers passes a ``run`` that hands the
+batch to a forked child (:mod:`runtime.engine.workers`), so the scheduling is the same for both.
 """
 
 from __future__ import annotations

@@ -34,16 +34,15 @@ class KernelRun(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    run_dir: str = Field(description="absolute path of the kernel run (workers run in their own directories)")
+    run_dir: str = Field(description="the kernel run's directory (relative: to where `evo run` runs)")
     top: int = Field(3, ge=1, description="the fittest elites offered as choices")
     ids: list[str] | None = Field(None, description="offer exactly these elite ids instead of the top ones")
 
     @field_validator("run_dir")
     @classmethod
     def _absolute(cls, v: str) -> str:
-        if not os.path.isabs(v):
-            raise ValueError(f"{v!r} must be an absolute path: sandboxed workers do not share the current directory")
-        return v
+        # a config's relative paths were made absolute when it was loaded (EngineTask.absolute_paths)
+        return os.path.abspath(v)
 
 
 class EngineArgs(TaskArgs):
@@ -93,6 +92,21 @@ class EngineTask(Task):
         self._sources: dict[tuple[str, str], KernelSource] = {}
         self.reference_load: Any = None  # runtime.engine.load.LoadResult of the default engine, once per worker
 
+    @classmethod
+    def absolute_paths(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
+        """The kernel runs' and the model's directories made absolute against ``cwd``."""
+        out = dict(args)
+        kernels = out.get("kernels")
+        if isinstance(kernels, Mapping):
+            out["kernels"] = {
+                slot: ({**kr, "run_dir": os.path.join(cwd, kr["run_dir"])}
+                       if isinstance(kr, Mapping) and isinstance(kr.get("run_dir"), str) else kr)
+                for slot, kr in kernels.items()
+            }
+        if isinstance(out.get("model_dir"), str):
+            out["model_dir"] = os.path.join(cwd, out["model_dir"])
+        return out
+
     # --- the genome -----------------------------------------------------------------------------
 
     @property
@@ -128,6 +142,7 @@ class EngineTask(Task):
             "bucketing": ChoiceParam(type="choice", values=("none", "split", "queue")),
             "pack": ChoiceParam(type="choice", values=(False, True)),
             "workers": IntParam(type="int", low=1, high=c),
+            "worker_kind": ChoiceParam(type="choice", values=("thread", "process")),
             "blas_threads": IntParam(type="int", low=1, high=c),
             "precision": ChoiceParam(type="choice", values=tuple(self.args.precisions)),
         }
@@ -140,11 +155,11 @@ class EngineTask(Task):
         are configured, the default engine with each slot's fittest kernel."""
         choices = self.kernel_choices()
         base = {"max_batch": min(32, self.args.max_batch), "max_wait_ms": 0, "token_budget": 4096,
-                "bucketing": "split", "pack": True, "workers": 1, "blas_threads": 1,
+                "bucketing": "split", "pack": True, "workers": 1, "worker_kind": "thread", "blas_threads": 1,
                 "precision": self.args.precisions[0], **{f"kernel_{s}": "numpy" for s in choices}}
         seeds = [base]
         if self.cores > 1:
-            seeds.append({**base, "workers": self.cores})
+            seeds += [{**base, "workers": self.cores}, {**base, "workers": self.cores, "worker_kind": "process"}]
         if choices:
             seeds.append({**base, **{f"kernel_{s}": ids[0] for s, ids in choices.items()}})
         return [Genome(params=p) for p in seeds]
@@ -246,7 +261,7 @@ class EngineTask(Task):
         return {
             "p99_ms": Descriptor("p99_ms", "p99 request latency under the load (ms)",
                                  lambda g, m: float(m.get("p99_ms", budget)), 0.0, budget),
-            "memory_mb": Descriptor("memory_mb", "resident memory of the worker at the end of the load (MB)",
+            "memory_mb": Descriptor("memory_mb", "memory (PSS) of the engine's processes at the end of the load (MB)",
                                     lambda g, m: float(m.get("memory_mb", 0.0)), 0.0, 2048.0),
             "max_batch": Descriptor("max_batch", "the genome's max batch size",
                                     lambda g, m: float(g.params.get("max_batch", 1)), 0.0, 64.0),

@@ -45,7 +45,7 @@ def test_engine_search_runs_and_its_elite_loads_back(tmp_path, model, sentences)
         "task": {"name": "engine", "args": {
             "threads": 2, "concurrency": 3, "duration_s": 0.5, "warmup_s": 0.1, "texts": 16,
             "lengths": {10: 0.7, 30: 0.3}, "p99_budget_ms": 5000,
-            "kernels": {"layernorm": {"run_dir": str(tmp_path / "ln"), "top": 2}}}},
+            "kernels": {"layernorm": {"run_dir": "ln", "top": 2}}}},  # relative to where evo runs
         "search": {"workers": 1, "initial_random": 2},
         "budget": {"max_evals": 4},
         "archive": {"descriptors": ["p99_ms", "memory_mb"], "bins": [3, 3], "ranges": [[0, 5000], [0, 2048]]},

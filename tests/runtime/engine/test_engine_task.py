@@ -33,8 +33,8 @@ def test_builtin_engine_task_space_and_seeds():
     assert cls is EngineTask and cls.backend == "engine"
     t = cls(TINY)
     space = t.space()
-    assert {"max_batch", "max_wait_ms", "token_budget", "bucketing", "pack", "workers", "blas_threads",
-            "precision"} == set(space.names())
+    assert {"max_batch", "max_wait_ms", "token_budget", "bucketing", "pack", "workers", "worker_kind",
+            "blas_threads", "precision"} == set(space.names())
     assert yaml.safe_load(yaml.safe_dump(space.to_dict()))  # YAML-able
     for g in t.seeds():
         assert space.is_valid(g.params)
@@ -69,6 +69,13 @@ def test_evaluation_measures_throughput_latency_memory(task, tmp_path):
     assert 0 < m["p50_ms"] <= m["p99_ms"] and m["memory_mb"] > 50 and m["similarity"] > 0.9999
     assert m["over_budget"] is False and m["vs_reference"] > 0 and m["ref_throughput"] > 0
     assert {"p99_ms", "memory_mb"} <= set(t.descriptors())
+
+
+def test_process_workers_are_measured_with_their_memory(task, tmp_path):
+    req, t = _request(task, {"workers": 2, "worker_kind": "process"}, tmp_path)
+    res = evaluate_engine(req, t, _ctx(tmp_path))
+    assert res.status == Status.OK, res.error
+    assert res.fitness > 0 and res.metrics["similarity"] > 0.9999 and res.metrics["memory_mb"] > 50
 
 
 def test_over_the_p99_budget_is_recorded_but_has_no_fitness(task, tmp_path):

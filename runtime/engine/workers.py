@@ -1,0 +1,125 @@
+"""Process workers: the forward pass in forked child processes, one batch at a time each.
+
+Thread workers share the interpreter, so the Python between numpy calls (a forward pass makes a few
+hundred of them) runs one thread at a time; process workers do not contend for the GIL. Children are
+forked from the engine once its model and kernels are loaded, so the weights are shared copy-on-write
+(never written, they stay shared) and the loaded kernels need no second compile. They are forked
+before the scheduler starts its threads: a child inherits no lock some other thread holds.
+
+The scheduler's worker threads stay in the parent; each hands its batch (token id arrays) to a free
+child over a pipe and blocks on the answer, so ordering, bounding and futures are the scheduler's as
+with thread workers.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import signal
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+__all__ = ["ProcessWorkers", "WorkerDied", "proportional_mb"]
+
+Forward = Callable[[Sequence[np.ndarray]], np.ndarray]
+
+
+class WorkerDied(RuntimeError):
+    """A worker process exited while running a batch (it crashed or was killed)."""
+
+
+def _serve(conn: Connection, forward: Forward, blas_threads: int) -> None:
+    """The child's loop: a batch in, its embeddings (or the error's traceback) out; ``None`` ends it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when children stop
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=blas_threads, user_api="blas")
+    while True:
+        try:
+            seqs = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if seqs is None:
+            return
+        try:
+            conn.send(("ok", forward(seqs)))
+        except Exception:  # noqa: BLE001 - the parent raises it for the batch's requests
+            conn.send(("error", traceback.format_exc()))
+
+
+class ProcessWorkers:
+    """``count`` forked children running ``forward``; calling this runs one batch on a free child."""
+
+    def __init__(self, forward: Forward, count: int, *, blas_threads: int = 1) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self._free: queue.SimpleQueue[tuple[Connection, multiprocessing.process.BaseProcess]] = queue.SimpleQueue()
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._conns: list[Connection] = []
+        try:
+            for i in range(count):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_serve, args=(child, forward, blas_threads), name=f"evoforge-engine-{i}",
+                                   daemon=True)
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+                self._free.put((parent, proc))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def __call__(self, seqs: Sequence[np.ndarray]) -> np.ndarray:
+        conn, proc = self._free.get()
+        try:
+            conn.send(list(seqs))
+            kind, value = conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
+            proc.join(timeout=1.0)
+            raise WorkerDied(f"engine worker process {proc.pid} died (exit code {proc.exitcode})") from None
+        finally:  # a dead child's pipe goes back too: a later batch on it fails at once, never hangs
+            self._free.put((conn, proc))
+        if kind == "error":
+            raise RuntimeError(f"the engine worker process failed:\n{value}")
+        return value
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Asks every child to stop, waits ``timeout`` s, then kills what is left."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs.clear()
+        self._conns.clear()
+
+
+def proportional_mb(pids: Sequence[int] = ()) -> float:
+    """Proportional set size (PSS, MB) of this process plus ``pids``: shared pages are split between the
+    processes sharing them, so forked workers are not counted once per copy of the weights."""
+    total = 0.0
+    for pid in ("self", *map(str, pids)):
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) / 1024.0
+                        break
+        except OSError:  # a worker that already exited
+            continue
+    return total
+

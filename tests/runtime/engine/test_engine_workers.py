@@ -1,0 +1,80 @@
+"""Process workers: same embeddings as thread workers, errors and crashes reach the clients, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from runtime.engine import Engine, EngineConfig
+from runtime.engine.ops import numpy_ops
+from runtime.engine.workers import ProcessWorkers, WorkerDied, proportional_mb
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone as far as the engine is concerned
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_process_workers_embed_like_the_in_process_engine(model, sentences):
+    texts = sentences[:40]
+    expected = Engine(model, numpy_ops(), EngineConfig()).embed(texts)
+    engine = Engine(model, numpy_ops(), EngineConfig(workers=2, worker_kind="process", max_batch=4))
+    results: dict[int, np.ndarray] = {}
+
+    def client(k: int) -> None:
+        for i in range(k, len(texts), 4):
+            results[i] = engine.submit(texts[i]).result(timeout=60)
+
+    with engine:
+        pids = engine.worker_pids
+        assert len(pids) == 2 and os.getpid() not in pids and all(_alive(p) for p in pids)
+        assert proportional_mb(pids) > proportional_mb()  # the children's share is counted
+        clients = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+        assert engine.batches >= 10  # batches of at most 4 requests
+    assert sorted(results) == list(range(len(texts)))
+    got = np.stack([results[i] for i in range(len(texts))])
+    np.testing.assert_allclose(got, expected, atol=2e-6)
+    assert not any(_alive(p) for p in pids)  # close() stops the children
+
+
+def _fails_on_empty(seqs):
+    if any(len(s) == 0 for s in seqs):
+        raise ValueError("an empty sequence")
+    return np.stack([np.full(3, float(len(s)), np.float32) for s in seqs])
+
+
+def test_an_error_in_a_worker_process_reaches_the_caller_and_the_worker_goes_on():
+    workers = ProcessWorkers(_fails_on_empty, 1)
+    try:
+        with pytest.raises(RuntimeError, match="ValueError: an empty sequence"):
+            workers([np.zeros(0, np.int32)])
+        np.testing.assert_array_equal(workers([np.zeros(5, np.int32)]), [[5, 5, 5]])
+    finally:
+        workers.close()
+
+
+def test_a_crashed_worker_process_fails_its_batch_instead_of_hanging():
+    workers = ProcessWorkers(_fails_on_empty, 1)
+    try:
+        (pid,) = workers.pids
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerDied, match=f"{pid} died"):
+            workers([np.zeros(2, np.int32)])
+        with pytest.raises(WorkerDied):  # and every later batch on it, at once
+            workers([np.zeros(2, np.int32)])
+    finally:
+        workers.close()
+    assert not _alive(pid)
