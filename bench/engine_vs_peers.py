@@ -144,14 +144,18 @@ def main() -> None:
     load = {"concurrency": a.concurrency, "duration": duration, "warmup": a.warmup_s}
     with tempfile.TemporaryDirectory() as tmp, pinned(None, threads) as cores:
         peers: dict[str, Embed] = {"sentence-transformers": st_embed, **onnx_peers(st, threads, tmp, model.tokenizer)}
-        engine = load_elite(run_dir, cand.id, model=model)
-        got = engine.embed(texts)
-        with engine:
-            r = closed_loop(engine.submit, texts, concurrency=a.concurrency, duration_s=duration,
-                            warmup_s=a.warmup_s)
-        rows.append({"name": "evoforge engine (evolved)", "throughput": r.throughput, "p50_ms": r.p50_ms,
-                     "p99_ms": r.p99_ms, "completed": r.completed,
-                     "min_cosine": float(np.min(np.sum(got * reference, 1)))})
+        # the elite as evolved, then with its workers of the other kind (threads vs processes, side by side)
+        kind = task.engine_config(cand.genome).worker_kind
+        other = "process" if kind == "thread" else "thread"
+        for label, overrides in ((f"evoforge engine (evolved, {kind}s)", None),
+                                 (f"evoforge engine ({other} workers)", {"worker_kind": other})):
+            engine = load_elite(run_dir, cand.id, model=model, overrides=overrides)
+            got = engine.embed(texts)
+            with engine:
+                r = closed_loop(engine.submit, texts, concurrency=a.concurrency, duration_s=duration,
+                                warmup_s=a.warmup_s)
+            rows.append({"name": label, "throughput": r.throughput, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms,
+                         "completed": r.completed, "min_cosine": float(np.min(np.sum(got * reference, 1)))})
         for name, embed in peers.items():
             got = np.concatenate([embed(list(texts[i : i + 32])) for i in range(0, len(texts), 32)])
             rows.append({"name": name, **serve(embed, texts, batch=args.batch, **load),

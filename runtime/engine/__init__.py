@@ -7,7 +7,9 @@ Needs the ``engine`` extra (tokenizers, safetensors, the model package); torch i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.load import LoadResult, closed_loop
@@ -41,12 +43,15 @@ __all__ = [
 ]
 
 
-def load_elite(run_dir: str | Path, candidate_id: str, *, model: Model | None = None) -> Engine:
+def load_elite(
+    run_dir: str | Path, candidate_id: str, *, model: Model | None = None, overrides: Mapping[str, Any] | None = None
+) -> Engine:
     """The engine of candidate ``candidate_id`` (or a unique prefix) of an ``engine`` run, ready to start.
 
     Its kernels are compiled into (or found in) the run's compile cache. Pass ``model`` to share
-    already loaded weights. Raises :class:`RunNotFound` for a missing run or candidate, ValueError
-    when the run is not an engine run.
+    already loaded weights, ``overrides`` to change fields of its :class:`EngineConfig` (e.g.
+    ``{"worker_kind": "process"}``). Raises :class:`RunNotFound` for a missing run or candidate,
+    ValueError when the run is not an engine run or an override is not a valid setting.
     """
     from runtime.engine.task import EngineTask
     from runtime.task import load_task_class
@@ -60,4 +65,7 @@ def load_elite(run_dir: str | Path, candidate_id: str, *, model: Model | None = 
         task.share_model(model)
     cand = run.candidate(candidate_id)
     run.cache_dir.mkdir(exist_ok=True)
-    return task.build(task.engine_config(cand.genome), compiler=run.compiler, cache_dir=str(run.cache_dir))
+    config = task.engine_config(cand.genome)
+    if overrides:
+        config = EngineConfig.model_validate({**config.model_dump(), **overrides})
+    return task.build(config, compiler=run.compiler, cache_dir=str(run.cache_dir))

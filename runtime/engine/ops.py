@@ -2,12 +2,16 @@
 
 A slot's C kernel is an elite of a built-in task whose signature fits it (``SLOT_TASKS``): the
 ``layernorm`` slot takes ``layernorm`` elites, the attention ``softmax`` slot ``softmax`` elites, the
-``gelu`` slot (bias + GELU, fused) ``gelu`` elites. The GEMMs stay numpy's BLAS. Every implementation
-returns a new array and leaves its inputs alone, so slots can be swapped freely.
+``gelu`` slot (bias + GELU, fused) ``gelu`` elites, the ``linear`` slot (every weight GEMM: QKV, attention
+output, feed-forward up and down) ``linear_bf16`` elites, which run the GEMMs in bf16 with fp32
+accumulation (so an engine using one is checked against the similarity floor like any reduced
+precision). The attention's batched matmuls stay numpy's BLAS. Every implementation returns a new
+array and leaves its inputs alone, so slots can be swapped freely.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,7 +21,7 @@ from runtime.backends.c import CKernel
 
 __all__ = ["SLOT_TASKS", "SLOTS", "Ops", "c_slot", "numpy_ops"]
 
-SLOT_TASKS: dict[str, str] = {"layernorm": "layernorm", "softmax": "softmax", "gelu": "gelu"}
+SLOT_TASKS: dict[str, str] = {"layernorm": "layernorm", "softmax": "softmax", "gelu": "gelu", "linear": "linear_bf16"}
 """Slot -> the built-in task whose elites fill it (the task's signature is the slot's C calling convention)."""
 SLOTS = tuple(SLOT_TASKS)
 
@@ -134,4 +138,42 @@ def c_slot(slot: str, kernel: CKernel) -> Callable[..., np.ndarray]:
             return y
 
         return bias_gelu
+    if slot == "linear":
+        return _bf16_linear(kernel)
     raise ValueError(f"unknown slot {slot!r} (slots: {', '.join(SLOTS)})")
+
+
+def _bf16_linear(kernel: CKernel) -> Callable[..., np.ndarray]:
+    """``x @ w + b`` through a ``linear_bf16`` kernel; each weight is packed to bf16 once, on first use.
+
+    The packed copies are keyed by the weight array's identity and keep the array alive (so an id is
+    never reused while its entry exists); the model's weights live as long as the engine.
+    """
+    from runtime.tasks.linear_bf16 import pack_bf16
+
+    packed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    zeros: dict[int, np.ndarray] = {}
+    lock = threading.Lock()
+
+    def pack(w: np.ndarray) -> np.ndarray:
+        entry = packed.get(id(w))
+        if entry is None:
+            with lock:
+                entry = packed.get(id(w)) or (w, pack_bf16(w))
+                packed[id(w)] = entry
+        return entry[1]
+
+    def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+        x = _f32(x)
+        (m, k), n = x.shape, w.shape[1]
+        if k % 32 or n % 16:  # outside the kernel's contract (not a shape of this model): fp32 BLAS
+            return np_linear(x, w, b) if b is not None else x @ w
+        if b is None:
+            b = zeros.get(n)
+            if b is None:
+                b = zeros.setdefault(n, np.zeros(n, np.float32))
+        y = np.empty((m, n), np.float32)
+        kernel.bind([m, n, k, x, pack(w), _f32(b), y])()
+        return y
+
+    return linear

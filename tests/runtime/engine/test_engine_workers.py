@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
 
 from runtime.engine import Engine, EngineConfig
+from runtime.engine.engine import fit_threads
 from runtime.engine.ops import numpy_ops
 from runtime.engine.workers import ProcessWorkers, WorkerDied, proportional_mb
 
@@ -78,3 +81,26 @@ def test_a_crashed_worker_process_fails_its_batch_instead_of_hanging():
     finally:
         workers.close()
     assert not _alive(pid)
+
+
+@pytest.mark.parametrize(("asked", "cores", "fitted"), [
+    ((2, 1), 2, (2, 1)), ((2, 2), 2, (2, 1)), ((1, 4), 2, (1, 2)), ((4, 1), 2, (2, 1)), ((3, 3), 1, (1, 1)),
+    ((2, 3), 8, (2, 3)),
+])
+def test_threads_never_exceed_the_cores(asked, cores, fitted):
+    assert fit_threads(*asked, cores) == fitted
+
+
+def test_an_engine_pinned_to_one_core_runs_one_thread(model):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores to pin to one")
+    code = (
+        "import os\nos.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
+        "from runtime.engine import Engine, EngineConfig, load_model, numpy_ops\n"
+        "e = Engine(load_model(), numpy_ops(), EngineConfig(workers=2, blas_threads=2, worker_kind='process'))\n"
+        "with e:\n    e.submit('one core').result(timeout=60)\n    print(e.threads, len(e.worker_pids))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "(1, 1) 1"
+    assert "exceed the 1 core(s)" in out.stderr
