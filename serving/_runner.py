@@ -62,13 +62,16 @@ class EngineRunner:
 
         self.engine, self.served, self._metrics = engine, served, metrics
         c = engine.config
+        # thread or process workers fitted to the cores; BLAS threads are process-wide and the server owns them
+        self._forward = engine.start_workers(restore_blas=False)
+        workers = engine.threads[0] if engine.threads else c.workers
         self.batcher: Batcher[np.ndarray, tuple[np.ndarray, BatchInfo]] = Batcher(
             self._run, max_batch=c.max_batch, token_budget=c.token_budget, max_wait_ms=c.max_wait_ms,
-            queue_size=c.queue_size, workers=c.workers, bucketing=c.bucketing == "queue", name="evoforge-serve")
+            queue_size=c.queue_size, workers=workers, bucketing=c.bucketing == "queue", name="evoforge-serve")
 
     def _run(self, seqs: list[np.ndarray]) -> list[tuple[np.ndarray, BatchInfo]]:
         t0 = time.perf_counter()
-        out = self.engine.run_batch(seqs)
+        out = self._forward(seqs)
         info = BatchInfo(t0, time.perf_counter(), len(seqs), sum(len(s) for s in seqs))
         m = self._metrics
         m.inference.observe(info.end - info.start)
@@ -125,7 +128,6 @@ class EngineHost:
             engine = Engine(self.model, numpy_ops(), EngineConfig())
         else:
             engine = load_elite(self.run_dir, eid, model=self.model)
-        self._blas(engine.config.blas_threads)
         runner = EngineRunner(engine, Served(eid, str(self.run_dir), note), self.metrics)
         try:
             runner.warm((_WARM_TEXTS * self.warmup)[: max(1, self.warmup)])
@@ -133,12 +135,6 @@ class EngineHost:
             runner.close()
             raise
         return runner
-
-    @staticmethod
-    def _blas(threads: int) -> None:
-        from threadpoolctl import threadpool_limits
-
-        threadpool_limits(limits=threads, user_api="blas")  # process-wide; the server owns the process
 
     def switch(self, elite: str) -> Served:
         """Builds and warms ``elite``, then serves it; the old engine drains in the background."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Literal
 
@@ -103,11 +103,15 @@ class Engine:
 
     # --- serving --------------------------------------------------------------------------------
 
-    def start(self) -> Engine:
-        """Sets the BLAS threads, forks the worker processes (``worker_kind="process"``) and starts the
-        scheduler's threads."""
-        if self._batcher is not None:
-            return self
+    def start_workers(self, *, restore_blas: bool = True) -> Callable[[Sequence[np.ndarray]], np.ndarray]:
+        """Sets the BLAS threads and forks the worker processes (``worker_kind="process"``); returns the batch
+        function a scheduler's worker threads call (:meth:`run_batch`, or a hand-off to a free child).
+
+        ``self.threads`` is then ``(workers, BLAS threads)`` as they run: the config's, cut down to the
+        cores this process may use (:func:`fit_threads`). :meth:`close` stops them and, with
+        ``restore_blas``, restores the process-wide BLAS threads (a server swapping engines, whose old
+        engine closes after the new one started, passes False).
+        """
         from threadpoolctl import threadpool_limits
 
         c = self.config
@@ -119,14 +123,22 @@ class Engine:
         self.threads = (workers, blas)
         if c.worker_kind == "process":
             self._procs = ProcessWorkers(self.run_batch, workers, blas_threads=blas)
-            run = self._procs
-        else:
-            # threads share the process-wide BLAS pool: one BLAS call per worker at a time
-            self._blas = threadpool_limits(limits=blas, user_api="blas")
-            run = self.run_batch
+            return self._procs
+        # threads share the process-wide BLAS pool: one BLAS call per worker at a time
+        limits = threadpool_limits(limits=blas, user_api="blas")
+        self._blas = limits if restore_blas else None
+        return self.run_batch
+
+    def start(self) -> Engine:
+        """Starts the workers (:meth:`start_workers`) and the batching scheduler."""
+        if self._batcher is not None:
+            return self
+        run = self.start_workers()
+        c = self.config
         self._batcher = Batcher(
             lambda seqs: list(run(seqs)), max_batch=c.max_batch, token_budget=c.token_budget,
-            max_wait_ms=c.max_wait_ms, queue_size=c.queue_size, workers=workers, bucketing=c.bucketing == "queue",
+            max_wait_ms=c.max_wait_ms, queue_size=c.queue_size, workers=self.threads[0] if self.threads else 1,
+            bucketing=c.bucketing == "queue",
         )
         return self
 
