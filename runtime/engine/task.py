@@ -10,6 +10,7 @@ stored and never an elite. See :mod:`runtime.engine.evaluate` for the evaluation
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +29,8 @@ from runtime.task import Case, Descriptor, Task, TaskArgs
 
 __all__ = ["EngineArgs", "EngineTask", "KernelRun"]
 
+log = logging.getLogger(__name__)
+
 
 class KernelRun(BaseModel):
     """Where a slot's kernel choices come from: the ``top`` elites of a kernel run (or the listed ``ids``)."""
@@ -37,6 +40,8 @@ class KernelRun(BaseModel):
     run_dir: str = Field(description="the kernel run's directory (relative: to where `evo run` runs)")
     top: int = Field(3, ge=1, description="the fittest elites offered as choices")
     ids: list[str] | None = Field(None, description="offer exactly these elite ids instead of the top ones")
+    optional: bool = Field(False, description="no such run (or no ok elite in it) leaves the slot to numpy "
+                           "instead of being an error")
 
     @field_validator("run_dir")
     @classmethod
@@ -122,14 +127,16 @@ class EngineTask(Task):
                     raise SpaceError(f"task.args.kernels: unknown slot {slot!r} (slots: {', '.join(SLOTS)})")
                 try:
                     run = StoredRun(kr.run_dir)
+                    ids = [run.candidate(i).id for i in kr.ids] if kr.ids else run.elite_ids(kr.top)
+                    if not ids:
+                        raise RunNotFound(f"{kr.run_dir} has no ok candidate yet")
                 except RunNotFound as exc:
+                    if kr.optional:
+                        log.info("task.args.kernels.%s: %s: the slot stays numpy", slot, exc)
+                        continue
                     raise SpaceError(f"task.args.kernels.{slot}: {exc}: evolve the kernels first, "
-                                     f"or drop the slot") from None
-                ids = [run.candidate(i).id for i in kr.ids] if kr.ids else run.elite_ids(kr.top)
-                ids = [i[:16] for i in ids]  # a unique prefix keeps params readable
-                if not ids:
-                    raise SpaceError(f"task.args.kernels.{slot}: {kr.run_dir} has no ok candidate yet")
-                choices[slot] = ids
+                                     f"or drop the slot (or mark it optional: true)") from None
+                choices[slot] = [i[:16] for i in ids]  # a unique prefix keeps params readable
             self._choices = choices
         return self._choices
 

@@ -95,3 +95,20 @@ def test_under_the_similarity_floor_is_wrong(task, tmp_path):
 def test_a_genome_outside_the_engine_is_invalid(task, tmp_path):
     req, t = _request(task, {"bucketing": "zigzag"}, tmp_path)
     assert evaluate_engine(req, t, _ctx(tmp_path)).status == Status.INVALID
+
+
+def test_a_missing_kernel_run_is_an_error_unless_optional(tmp_path):
+    from genome import SpaceError
+
+    missing = {"gelu": {"run_dir": str(tmp_path / "no-run")}}
+    with pytest.raises(SpaceError, match=r"kernels\.gelu: .*optional: true"):
+        EngineTask({**TINY, "kernels": missing}).space()
+    t = EngineTask({**TINY, "kernels": {"gelu": {**missing["gelu"], "optional": True}}})
+    assert "kernel_gelu" not in t.space().names() and "kernel_gelu" not in t.seeds()[0].params
+
+
+def test_relative_kernel_run_dirs_are_made_absolute():
+    args = EngineTask.absolute_paths({"kernels": {"gelu": {"run_dir": "runs/g"}, "softmax": {"run_dir": "/abs/s"}},
+                                      "model_dir": "m"}, "/work/here")
+    assert args["kernels"] == {"gelu": {"run_dir": "/work/here/runs/g"}, "softmax": {"run_dir": "/abs/s"}}
+    assert args["model_dir"] == "/work/here/m"
