@@ -149,6 +149,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "softmax": "runtime.tasks.softmax:Softmax",
     "layernorm": "runtime.tasks.layernorm:LayerNorm",
     "gelu": "runtime.tasks.gelu:Gelu",
+    "linear_bf16": "runtime.tasks.linear_bf16:LinearBf16",
     "matmul_cuda": "runtime.tasks.matmul_cuda:MatmulCuda",
     "softmax_cuda": "runtime.tasks.softmax_cuda:SoftmaxCuda",
     "engine": "runtime.engine.task:EngineTask",
