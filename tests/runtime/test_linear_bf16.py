@@ -196,3 +196,22 @@ def test_tolerance_rejects_a_wrong_kernel(build, old: str, new: str) -> None:
     got, want = run_case(task, kernel, case, rng)
     rtol, atol = task.tolerance(case)
     assert not np.allclose(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("isa", ["AVX512", "AMX"])
+def test_threads_build_with_openmp(cache_dir: str, isa: str) -> None:
+    """With threads > 1 both paths share their blocks among OpenMP threads (AMX: each configures its tiles)."""
+    if isa == "AMX" and not HAS_AMX:
+        pytest.skip("this CPU has no AMX-BF16")
+    task = LinearBf16({"threads": 2})
+    assert "-fopenmp" in task.compile_flags() and "-fopenmp" not in LinearBf16().compile_flags()
+    params = {**AVX512, **AMX, "ISA": isa, "AMX_MT": 2, "AMX_NT": 2}
+    lib = compile_source(
+        task.render(Genome(params=params)),
+        compiler=CompilerSettings(),
+        extra_flags=task.compile_flags(),
+        cache_dir=cache_dir,
+    )
+    # Left loaded: unloading a library built with -fopenmp while libgomp's threads live crashes the process
+    # at exit (CKernel.close dlcloses; test_tasks.py keeps its OpenMP kernels loaded too).
+    assert_correct(task, load_kernel(lib.path, "kernel"), seed=7)
