@@ -208,6 +208,10 @@ class CKernel:
 
     def __init__(self, path: str, name: str) -> None:
         self.path = path
+        # A library linked against libgomp must never be unloaded: OpenMP's pooled threads outlive the
+        # parallel region and the process crashes at exit if their code was unmapped.
+        with open(path, "rb") as f:
+            self._unloadable = b"libgomp" not in f.read()
         self._lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
         try:
             self._fn = getattr(self._lib, name)
@@ -242,9 +246,10 @@ class CKernel:
         return functools.partial(fn, *values)
 
     def close(self) -> None:
-        """Unloads the library (the long-lived worker would otherwise accumulate every candidate)."""
+        """Unloads the library (the long-lived worker would otherwise accumulate every candidate); an
+        OpenMP library stays loaded."""
         lib, self._lib = self._lib, None
-        if lib is not None:
+        if lib is not None and self._unloadable:
             import _ctypes
 
             _ctypes.dlclose(lib._handle)

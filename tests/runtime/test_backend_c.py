@@ -79,3 +79,28 @@ def test_loaded_kernel_computes(cache):
 def test_missing_symbol_is_a_compile_error(cache):
     with pytest.raises(CompileError, match="no function 'other'"):
         load_kernel(_compile(SRC, cache).path, "other")
+
+
+OMP_SRC = """
+void kernel(int n, const float *x, float *y) {
+    #pragma omp parallel for num_threads(2)
+    for (int i = 0; i < n; i++) y[i] = 2.0f * x[i];
+}
+"""
+
+
+def test_closing_an_openmp_kernel_leaves_the_process_able_to_exit(cache, tmp_path):
+    """Unloading a library whose OpenMP threads still exist crashes the process at exit: such a library
+    stays loaded when its kernel is closed."""
+    import subprocess
+    import sys
+
+    lib = _compile(OMP_SRC, cache, flags=["-O2", "-fopenmp"])
+    code = (
+        "import numpy as np\nfrom runtime.backends import load_kernel\n"
+        f"k = load_kernel({lib.path!r}, 'kernel')\n"
+        "x = np.arange(1000, dtype=np.float32); y = np.empty_like(x)\n"
+        "k.bind([1000, x, y])(); assert (y == 2 * x).all(); k.close()\nprint('closed')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "closed", (out.returncode, out.stderr[-2000:])

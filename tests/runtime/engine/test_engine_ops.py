@@ -108,6 +108,56 @@ def test_c_gelu_slot_agrees_with_numpy(genome, tmp_path):
         ops.close()
 
 
+def _has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "amx_bf16" in f.read()
+
+
+def _linear_points() -> list[Genome]:
+    """The linear_bf16 seeds (the scalar loop, an AVX512 tile) and, where the CPU has it, an AMX point."""
+    points = list(load_task_class("linear_bf16")().seeds())
+    if _has_amx():
+        points.append(Genome(params={**points[-1].params, "ISA": "AMX"}))
+    return points
+
+
+@pytest.mark.parametrize("genome", _linear_points(), ids=lambda g: str(g.params.get("ISA", "naive")))
+def test_c_linear_slot_is_a_bf16_gemm_on_every_weight_shape(genome, tmp_path):
+    from runtime.tasks.linear_bf16 import bf16_round
+
+    ops = _kernel_ops("linear", genome, str(tmp_path))
+    try:
+        assert ops.matmul is ops.linear  # the bias-free GEMM of the feed-forward runs on it too
+        for m, k, n in ((1, 384, 1152), (37, 384, 384), (70, 1536, 384), (9, 40, 24)):
+            x = RNG.standard_normal((m, k)).astype(np.float32)
+            w = (RNG.standard_normal((k, n)) * 0.05).astype(np.float32)
+            b = RNG.standard_normal(n).astype(np.float32)
+            exact = x.astype(np.float64) @ w + b
+            got = ops.linear(x, w, b)
+            if k % 32:  # outside the kernel's contract: fp32 BLAS
+                np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4)
+                continue
+            want = bf16_round(x).astype(np.float64) @ bf16_round(w) + b
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+            assert np.abs(got - exact).max() > 1e-5  # it really is bf16, not a fp32 GEMM
+            np.testing.assert_allclose(ops.matmul(x, w), want - b, rtol=1e-4, atol=1e-4)
+            np.testing.assert_array_equal(ops.linear(x, w, b), got)  # the packed weight is reused
+    finally:
+        ops.close()
+
+
+def test_engine_with_a_bf16_linear_slot_stays_close_to_fp32(model, sentences, reference_embeddings, tmp_path):
+    """Every weight GEMM in bf16: the embeddings move (it is a reduced precision) but stay far above the
+    default similarity floor (0.99)."""
+    ops = _kernel_ops("linear", _linear_points()[-1], str(tmp_path))
+    try:
+        got = embed_sorted(model, sentences, ops)
+    finally:
+        ops.close()
+    cos = np.sum(got * reference_embeddings, axis=1)
+    assert 0.995 <= cos.min() and cos.min() < 0.99999
+
+
 def test_engine_with_c_slots_matches_numpy_engine(model, sentences, tmp_path):
     """A forward pass with both slots filled by C kernels gives the numpy engine's embeddings."""
     ln = load_task_class("layernorm")()
