@@ -199,6 +199,15 @@ class EngineTask(Task):
                 self._kernel_source(slot, cid)
         import threadpoolctl  # noqa: F401
 
+        # one round trip through a process worker imports what forking and the child's loop need
+        from runtime.engine.workers import ProcessWorkers
+
+        workers = ProcessWorkers(_lengths, 1)
+        try:
+            workers([np.zeros(3, np.int32)])
+        finally:
+            workers.close()
+
     def share_model(self, model: Model) -> None:
         """Uses already loaded fp32 weights instead of loading them again."""
         self._model = model
@@ -273,6 +282,10 @@ class EngineTask(Task):
             "max_batch": Descriptor("max_batch", "the genome's max batch size",
                                     lambda g, m: float(g.params.get("max_batch", 1)), 0.0, 64.0),
         }
+
+
+def _lengths(seqs: list[np.ndarray]) -> np.ndarray:
+    return np.array([len(s) for s in seqs], np.float32)
 
 
 def request_texts(model: Model, lengths: Mapping[int, float], n: int, seed: int) -> list[str]:
