@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.engine import Batcher, StoredRun, closed_loop, load_elite  # noqa: E402
+from runtime.engine import Batcher, LoadResult, StoredRun, closed_loop, load_elite  # noqa: E402
 from runtime.engine.task import EngineTask  # noqa: E402
 from runtime.timing import pinned  # noqa: E402
 
@@ -48,12 +48,17 @@ def run_search(config: Path, run_dir: Path, max_evals: int | None) -> float:
     return time.monotonic() - t0
 
 
-def serve(embed: Embed, texts: Sequence[str], *, batch: int, concurrency: int, duration: float,
-          warmup: float) -> dict[str, float]:
-    """A plain batching loop around ``embed`` under the closed-loop load."""
-    with Batcher(lambda items: list(embed(items)), max_batch=batch, token_budget=1 << 30) as b:
-        r = closed_loop(lambda t: b.submit(t), texts, concurrency=concurrency, duration_s=duration, warmup_s=warmup)
-    return {"throughput": r.throughput, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "completed": r.completed}
+def min_cosine(got: np.ndarray, reference: np.ndarray) -> float:
+    return float(np.min(np.sum(got * reference, axis=1)))
+
+
+def median_figures(runs: Sequence[LoadResult]) -> dict[str, float]:
+    """The median of each figure over the rounds, and each round's throughput."""
+    return {"throughput": float(np.median([r.throughput for r in runs])),
+            "p50_ms": float(np.median([r.p50_ms for r in runs])),
+            "p99_ms": float(np.median([r.p99_ms for r in runs])),
+            "completed": int(sum(r.completed for r in runs)),
+            "rounds": [round(r.throughput, 1) for r in runs]}
 
 
 def onnx_peers(st: Any, threads: int, tmp: str, tokenizer: Any) -> dict[str, Embed]:
@@ -115,6 +120,7 @@ def main() -> None:
     ap.add_argument("--id", help="this engine instead of the run's best")
     ap.add_argument("--duration", type=float, help="measured seconds per contestant [default: the run's]")
     ap.add_argument("--batch", type=int, default=32, help="peers' max batch size")
+    ap.add_argument("--rounds", type=int, default=3, help="measurements of each contestant, interleaved")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     seconds = run_search(args.config, args.out, args.max_evals) if args.config else None
@@ -140,43 +146,51 @@ def main() -> None:
     def st_embed(batch: list[str]) -> np.ndarray:
         return st.encode(batch, batch_size=len(batch), normalize_embeddings=True, convert_to_numpy=True)
 
-    rows: list[dict[str, Any]] = []
-    load = {"concurrency": a.concurrency, "duration": duration, "warmup": a.warmup_s}
+    load = {"concurrency": a.concurrency, "duration_s": duration, "warmup_s": a.warmup_s}
     with tempfile.TemporaryDirectory() as tmp, pinned(None, threads) as cores:
         peers: dict[str, Embed] = {"sentence-transformers": st_embed, **onnx_peers(st, threads, tmp, model.tokenizer)}
-        # the elite as evolved, then with its workers of the other kind (threads vs processes, side by side)
+        # the elite as evolved, and with its workers of the other kind: threads vs processes, side by side
         kind = task.engine_config(cand.genome).worker_kind
         other = "process" if kind == "thread" else "thread"
-        for label, overrides in ((f"evoforge engine (evolved, {kind}s)", None),
-                                 (f"evoforge engine ({other} workers)", {"worker_kind": other})):
-            engine = load_elite(run_dir, cand.id, model=model, overrides=overrides)
-            got = engine.embed(texts)
-            with engine:
-                r = closed_loop(engine.submit, texts, concurrency=a.concurrency, duration_s=duration,
-                                warmup_s=a.warmup_s)
-            rows.append({"name": label, "throughput": r.throughput, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms,
-                         "completed": r.completed, "min_cosine": float(np.min(np.sum(got * reference, 1)))})
+        engines = {f"evoforge engine (evolved: {kind} workers)": load_elite(run_dir, cand.id, model=model),
+                   f"evoforge engine ({other} workers)": load_elite(run_dir, cand.id, model=model,
+                                                                    overrides={"worker_kind": other})}
+        similarity = {name: min_cosine(e.embed(texts), reference) for name, e in engines.items()}
         for name, embed in peers.items():
             got = np.concatenate([embed(list(texts[i : i + 32])) for i in range(0, len(texts), 32)])
-            rows.append({"name": name, **serve(embed, texts, batch=args.batch, **load),
-                         "min_cosine": float(np.min(np.sum(got * reference, 1)))})
+            similarity[name] = min_cosine(got, reference)
+        # rounds: every contestant once per round, so a slow spell of the machine hits them all alike
+        runs: dict[str, list[LoadResult]] = {name: [] for name in similarity}
+        for _ in range(args.rounds):
+            for name, engine in engines.items():
+                engine.start()
+                try:
+                    runs[name].append(closed_loop(engine.submit, texts, **load))
+                finally:
+                    engine.stop()
+            for name, embed in peers.items():
+                with Batcher(lambda items, f=embed: list(f(items)), max_batch=args.batch, token_budget=1 << 30) as b:
+                    runs[name].append(closed_loop(b.submit, texts, **load))
+        for e in engines.values():
+            e.close()
+    rows = [{"name": name, "min_cosine": similarity[name], **median_figures(rs)} for name, rs in runs.items()]
     base = next(r["throughput"] for r in rows if r["name"] == "sentence-transformers")
     for r in rows:
         r["vs_sentence_transformers"] = r["throughput"] / base if base else None
     out = {"run_dir": str(run_dir), "engine": cand.id, "params": cand.genome.params, "threads": threads,
            "cores": sorted(cores), "concurrency": a.concurrency, "lengths": a.lengths, "texts": len(texts),
-           "duration_s": duration, "peer_batch": args.batch, "search_s": seconds, "rows": rows}
+           "duration_s": duration, "rounds": args.rounds, "peer_batch": args.batch, "search_s": seconds, "rows": rows}
     if args.json:
         print(json.dumps(out, indent=2))
         return
     print(f"MiniLM embeddings under {a.concurrency} closed-loop clients, {threads} thread(s) on cores {sorted(cores)}, "
-          f"{len(texts)} texts, lengths {dict(a.lengths)}, {duration:g} s each")
+          f"{len(texts)} texts, lengths {dict(a.lengths)}, {duration:g} s each, median of {args.rounds} rounds")
     print(f"engine {cand.id[:12]}: {' '.join(f'{k}={v}' for k, v in cand.genome.params.items())}")
     print("| engine | sentences/s | vs sentence-transformers | p50 ms | p99 ms | min cosine to fp32 |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['name']} | {r['throughput']:.1f} | {r['vs_sentence_transformers']:.2f}x | {r['p50_ms']:.1f} | "
-              f"{r['p99_ms']:.1f} | {r['min_cosine']:.4f} |")
+              f"{r['p99_ms']:.1f} | {r['min_cosine']:.5f} |")
 
 
 if __name__ == "__main__":

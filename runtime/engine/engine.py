@@ -159,8 +159,13 @@ class Engine:
         return self._batcher.batches if self._batcher else 0
 
     def close(self) -> None:
+        """:meth:`stop`, then frees the kernels: the engine cannot run again."""
+        self.stop()
+        self.ops.close()
+
+    def stop(self) -> None:
         """Stops the scheduler (queued requests are served first), then the worker processes; restores BLAS
-        threads, frees kernels."""
+        threads. The kernels stay loaded: :meth:`start` may run it again."""
         if self._batcher is not None:
             self._batcher.close()
             self._batcher = None
@@ -170,7 +175,6 @@ class Engine:
         if self._blas is not None:
             self._blas.restore_original_limits()  # type: ignore[attr-defined]
             self._blas = None
-        self.ops.close()
 
     def __enter__(self) -> Engine:
         return self.start()

@@ -51,6 +51,29 @@ def test_process_workers_embed_like_the_in_process_engine(model, sentences):
     got = np.stack([results[i] for i in range(len(texts))])
     np.testing.assert_allclose(got, expected, atol=2e-6)
     assert not any(_alive(p) for p in pids)  # close() stops the children
+    with pytest.raises(RuntimeError, match="start"):
+        engine.submit(texts[0])
+
+
+def test_a_stopped_engine_starts_again_with_its_kernels(model, sentences, tmp_path):
+    from runtime.engine import KernelSource, build_ops
+    from runtime.settings import CompilerSettings
+    from runtime.task import load_task_class
+
+    gelu = load_task_class("gelu")()
+    ks = KernelSource("gelu", "t", gelu.render(gelu.seeds()[1]), ())
+    engine = Engine(model, build_ops({"gelu": ks}, compiler=CompilerSettings(), cache_dir=str(tmp_path)),
+                    EngineConfig(workers=2, worker_kind="process"))
+    want = Engine(model, numpy_ops(), EngineConfig()).embed(sentences[:3])
+    try:
+        for _ in range(2):
+            engine.start()
+            got = np.stack([engine.submit(s).result(timeout=60) for s in sentences[:3]])
+            engine.stop()
+            np.testing.assert_allclose(got, want, atol=1e-5)
+    finally:
+        engine.close()
+    assert not engine.ops.kernels
 
 
 def _fails_on_empty(seqs):
