@@ -144,10 +144,10 @@ class RunConfig(_Model):
     )
 
     def make_space(self, task: Task) -> ParamSpace:
-        """The space the search explores: the config's override, else the task's own."""
+        """The space the search explores: the config's override (completed by the task), else the task's own."""
         if self.space is None:
             return task.space()
-        return ParamSpace(self.space.params, self.space.constraints)
+        return task.complete_space(ParamSpace(self.space.params, self.space.constraints))
 
     def make_task(self) -> Task:
         try:

@@ -75,6 +75,11 @@ class Task(abc.ABC):
     def space(self) -> ParamSpace:
         """The parameter space of the template."""
 
+    def complete_space(self, space: ParamSpace) -> ParamSpace:
+        """``space`` (a config's ``space:``) with the parameters only the task can know added, such as choices
+        read from other runs when the search starts. The default task adds none."""
+        return space
+
     @abc.abstractmethod
     def template(self) -> str:
         """C source of the parametric kernel; parameters arrive as ``#define``s (see genome.render_defines)."""

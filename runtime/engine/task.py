@@ -140,6 +140,15 @@ class EngineTask(Task):
             self._choices = choices
         return self._choices
 
+    def complete_space(self, space: ParamSpace) -> ParamSpace:
+        """A config's engine space plus a ``kernel_<slot>`` choice for each configured kernel run it does not
+        name itself (the elite ids are known only once the runs are read)."""
+        extra = {f"kernel_{slot}": ChoiceParam(type="choice", values=("numpy", *ids))
+                 for slot, ids in self.kernel_choices().items() if f"kernel_{slot}" not in space.names()}
+        if not extra:
+            return space
+        return ParamSpace({**space.params, **extra}, [c.text for c in space.constraints])
+
     def space(self) -> ParamSpace:
         c = self.cores
         params: dict[str, Any] = {
