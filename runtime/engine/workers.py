@@ -3,8 +3,10 @@
 Thread workers share the interpreter, so the Python between numpy calls (a forward pass makes a few
 hundred of them) runs one thread at a time; process workers do not contend for the GIL. Children are
 forked from the engine once its model and kernels are loaded, so the weights are shared copy-on-write
-(never written, they stay shared) and the loaded kernels need no second compile. They are forked
-before the scheduler starts its threads: a child inherits no lock some other thread holds.
+(never written, they stay shared) and the loaded kernels need no second compile. The engine forks
+them before its scheduler's threads start; other threads may exist (a server's event loop, an engine
+draining after a swap), so a child runs nothing but the loop below (a pipe, numpy, the kernels) and
+never a lock such a thread could have held at the fork (logging, the parent's queues).
 
 The scheduler's worker threads stay in the parent; each hands its batch (token id arrays) to a free
 child over a pipe and blocks on the answer, so ordering, bounding and futures are the scheduler's as
