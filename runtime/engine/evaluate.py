@@ -4,8 +4,9 @@
 Stages and statuses mirror the C cascade: a genome outside the engine's options is ``invalid``, a
 kernel that does not compile ``compile_error``, an engine under the similarity floor ``wrong``.
 The load runs under the machine-wide timing lock, pinned to ``threads`` cores. The default engine
-(:class:`EngineConfig` defaults: one worker, one BLAS thread, numpy operators, fp32) is measured once
-per worker under the same load and cores; ``vs_reference`` is the candidate's throughput over it.
+(:class:`EngineConfig` defaults: one worker, one BLAS thread, numpy operators, fp32) is measured under
+the same load and cores, again whenever its figures are older than ``reference_every_s`` (0: right
+before every candidate); ``vs_reference`` is the candidate's throughput over it.
 """
 
 from __future__ import annotations
@@ -78,9 +79,10 @@ def evaluate_engine(request: EvalRequest, task: EngineTask, ctx: WorkerContext) 
 
         t0 = time.perf_counter()
         with ctx.lock.held() as waited, pinned(settings.timing.core, task.cores) as cores:
-            if task.reference_load is None:
+            age = time.monotonic() - task.reference_at
+            if task.reference_load is None or age > task.args.reference_every_s:
                 default = task.build(EngineConfig(), compiler=settings.compiler, cache_dir=ctx.cache_dir)
-                task.reference_load = measure(default, task)[0]
+                task.reference_load, task.reference_at, age = measure(default, task)[0], time.monotonic(), 0.0
             run, memory, batches = measure(engine, task)
         engine = None  # closed by measure
         timings["lock_wait_s"] = waited
@@ -92,7 +94,7 @@ def evaluate_engine(request: EvalRequest, task: EngineTask, ctx: WorkerContext) 
             completed=run.completed, refused=run.refused, batches=batches,
             mean_batch=run.completed / batches if batches else None, memory_mb=memory,
             vs_reference=run.throughput / ref.throughput if ref.throughput else None,
-            ref_throughput=ref.throughput, ref_p50_ms=ref.p50_ms, ref_p99_ms=ref.p99_ms,
+            ref_throughput=ref.throughput, ref_p50_ms=ref.p50_ms, ref_p99_ms=ref.p99_ms, ref_age_s=age,
             over_budget=over, p99_budget_ms=task.args.p99_budget_ms, concurrency=task.args.concurrency,
             cores=sorted(cores),
         )

@@ -63,6 +63,9 @@ class EngineArgs(TaskArgs):
     duration_s: float = Field(3.0, gt=0, description="the measured window")
     p99_budget_ms: float = Field(250.0, gt=0, description="p99 latency above this: recorded, never an elite")
     similarity_floor: float = Field(0.99, gt=0, le=1, description="min cosine to the fp32 engine on the texts")
+    reference_every_s: float = Field(
+        300.0, ge=0, description="re-measure the default engine (vs_reference's base) once its figures are older "
+        "than this; 0: before every candidate, side by side")
     precisions: list[Precision] = Field(default_factory=lambda: ["fp32"], description="precisions to choose from")
     max_batch: int = Field(64, ge=1, description="largest max_batch the space offers (a power of two)")
     kernels: dict[str, KernelRun] = Field(default_factory=dict, description="slot -> kernel run offering choices")
@@ -95,7 +98,8 @@ class EngineTask(Task):
         self._texts: list[str] | None = None
         self._reference: np.ndarray | None = None
         self._sources: dict[tuple[str, str], KernelSource] = {}
-        self.reference_load: Any = None  # runtime.engine.load.LoadResult of the default engine, once per worker
+        self.reference_load: Any = None  # runtime.engine.load.LoadResult of the default engine
+        self.reference_at = 0.0  # time.monotonic() when it was measured
 
     @classmethod
     def absolute_paths(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:

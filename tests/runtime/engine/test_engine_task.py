@@ -50,7 +50,8 @@ def _request(task: EngineTask, params: dict, tmp_path, **args) -> tuple[EvalRequ
     spec = TaskSpec(name="engine", args={**TINY, **args})
     t = EngineTask(spec.args)
     t.share_model(task.model())
-    t._reference, t.reference_load = task._reference_embeddings(), task.reference_load
+    t._reference = task._reference_embeddings()
+    t.reference_load, t.reference_at = task.reference_load, task.reference_at
     g = Genome(params={**t.seeds()[0].params, **params})
     req = EvalRequest(key=g.id, genome=g, task=spec, settings=EvalSettings(), cache_dir=str(tmp_path))
     return req, t
@@ -69,6 +70,21 @@ def test_evaluation_measures_throughput_latency_memory(task, tmp_path):
     assert 0 < m["p50_ms"] <= m["p99_ms"] and m["memory_mb"] > 50 and m["similarity"] > 0.9999
     assert m["over_budget"] is False and m["vs_reference"] > 0 and m["ref_throughput"] > 0
     assert {"p99_ms", "memory_mb"} <= set(t.descriptors())
+
+
+def test_the_default_engine_is_re_measured_when_its_figures_are_old(task, tmp_path):
+    req, t = _request(task, {}, tmp_path, reference_every_s=0)
+    seen = []
+    for _ in range(2):
+        res = evaluate_engine(req, t, _ctx(tmp_path))
+        assert res.status == Status.OK and res.metrics["ref_age_s"] == 0.0
+        seen.append(t.reference_load)
+    assert seen[0] is not seen[1]  # measured anew each time
+    req, t = _request(task, {}, tmp_path)
+    evaluate_engine(req, t, _ctx(tmp_path))  # measures it if there are no figures yet
+    before = t.reference_load
+    res = evaluate_engine(req, t, _ctx(tmp_path))  # within reference_every_s (300 s): reused
+    assert t.reference_load is before and 0 < res.metrics["ref_age_s"] < 300
 
 
 def test_process_workers_are_measured_with_their_memory(task, tmp_path):
