@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RELEVANT_CPU_FLAGS", "fingerprint"]
+__all__ = ["RELEVANT_CPU_FLAGS", "cpu_flags", "fingerprint"]
 
 RELEVANT_CPU_FLAGS = (
     "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -37,6 +37,12 @@ def _cpuinfo() -> tuple[str, list[str]]:
     except OSError:
         pass
     return model, flags
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``), e.g. ``avx512_bf16``; empty where they cannot be read."""
+    return frozenset(_cpuinfo()[1])
 
 
 def _blas() -> dict[str, Any]:

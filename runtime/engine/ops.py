@@ -11,6 +11,8 @@ array and leaves its inputs alone, so slots can be swapped freely.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +26,8 @@ __all__ = ["SLOT_TASKS", "SLOTS", "Ops", "c_slot", "numpy_ops"]
 SLOT_TASKS: dict[str, str] = {"layernorm": "layernorm", "softmax": "softmax", "gelu": "gelu", "linear": "linear_bf16"}
 """Slot -> the built-in task whose elites fill it (the task's signature is the slot's C calling convention)."""
 SLOTS = tuple(SLOT_TASKS)
+
+log = logging.getLogger(__name__)
 
 _SQRT_HALF = np.float32(np.sqrt(0.5))
 
@@ -149,8 +153,14 @@ def _bf16_linear(kernel: CKernel) -> Callable[..., np.ndarray]:
     The packed copies are keyed by the weight array's identity and keep the array alive (so an id is
     never reused while its entry exists); the model's weights live as long as the engine.
     """
+    from runtime.hardware import cpu_flags
     from runtime.tasks.linear_bf16 import pack_bf16
 
+    if "avx512_bf16" not in cpu_flags():
+        # an elite evolved on another machine: its instructions would kill the process (SIGILL) here
+        log.warning("linear slot: this CPU has no AVX512-BF16 (nor AMX): the bf16 kernel %s is not used, "
+                    "the GEMMs run in fp32 BLAS", os.path.basename(kernel.path))
+        return lambda x, w, b=None: np_linear(x, w, b) if b is not None else x @ w
     packed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     zeros: dict[int, np.ndarray] = {}
     lock = threading.Lock()

@@ -187,3 +187,20 @@ def test_compile_is_cached(tmp_path):
     first = compile_source(src, compiler=CompilerSettings(), cache_dir=str(tmp_path))
     again = compile_source(src, compiler=CompilerSettings(), cache_dir=str(tmp_path))
     assert not first.cached and again.cached and first.path == again.path
+
+
+def test_a_bf16_elite_on_a_cpu_without_bf16_falls_back_to_fp32(tmp_path, monkeypatch, caplog):
+    """An elite evolved elsewhere must not kill the process with SIGILL: its GEMMs run in fp32 BLAS."""
+    import runtime.hardware
+
+    monkeypatch.setattr(runtime.hardware, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    with caplog.at_level("WARNING"):
+        ops = _kernel_ops("linear", _linear_points()[-1], str(tmp_path))
+    try:
+        x = RNG.standard_normal((5, 384)).astype(np.float32)
+        w, b = RNG.standard_normal((384, 384)).astype(np.float32), RNG.standard_normal(384).astype(np.float32)
+        np.testing.assert_array_equal(ops.linear(x, w, b), x @ w + b)
+        np.testing.assert_array_equal(ops.matmul(x, w), x @ w)
+    finally:
+        ops.close()
+    assert "no AVX512-BF16" in caplog.text
