@@ -95,6 +95,9 @@ class SearchConfig(_Model):
     selection: SelectionConfig = Field(default_factory=SelectionConfig)
     operators: OperatorsConfig = Field(default_factory=OperatorsConfig)
     max_dedup_tries: int = Field(50, ge=1, description="proposals tried before giving up a slot on duplicates")
+    duel_margin: float = Field(
+        0.1, ge=0, description="a would-be new best at most this fraction above the best is re-timed side by "
+        "side against it before it is crowned (0: never)")
 
 
 class ArchiveConfig(_Model):

@@ -7,6 +7,7 @@ proposals (:mod:`evo.proposer`: selection, operators, dedup), budgets (:mod:`evo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -20,6 +21,7 @@ import numpy as np
 from archive import AddStatus, Candidate, Store
 from evo.budget import Budget
 from evo.config import RunConfig
+from evo.duel import DUEL_BACKENDS, settle, wants_duel
 from evo.memory_link import MemoryLink
 from evo.operators import Operator, build_operators
 from evo.proposer import Proposer
@@ -84,6 +86,9 @@ class Search:
             self.proposer.novelty = self.memory.is_novel
             self.proposer.novelty_limit = config.memory.novelty_max_resamples
         self._best: Candidate | None = None
+        self._pool: Executor | None = None
+        # challenger id -> ((its request, its result), the best it duels): held back until the duel ends
+        self._duels: dict[str, tuple[tuple[EvalRequest, EvalResult], Candidate]] = {}
         self._evaluated = 0
         self._session = 0
 
@@ -109,7 +114,7 @@ class Search:
         queue = self._requeue_pending()
         resumed = len(queue)
         queue += self._initial_population()
-        executor = self._executor or self.run_dir.make_pool(self.workers)
+        executor = self._pool = self._executor or self.run_dir.make_pool(self.workers)
         self.reporter.start(total=self.config.budget.max_evals, done=self._evaluated, workers=self.workers)
         self.reporter.note(
             f"run dir {self.run_dir.path}: task {self.task.name} {dict(self.config.task.args)}, "
@@ -144,6 +149,8 @@ class Search:
                     stopped = reason
                     break
         finally:
+            self._pool = None
+            self._settle_held()
             self.proposer.close()
             if self.memory:
                 self.memory.close()
@@ -217,6 +224,29 @@ class Search:
     # --- results --------------------------------------------------------------------------------
 
     def _commit(self, request: EvalRequest, result: EvalResult) -> None:
+        """A finished evaluation: a would-be new best within the duel margin is held back for a duel first."""
+        if request.stages == "duel":
+            held, best = self._duels.pop(request.key)
+            settled = settle(held[1], result, best.id, best.fitness or 0.0)
+            log.info("duel of %s against the best %s: %s", request.key[:12], best.id[:12], settled.metrics["duel"])
+            self._finish(held[0], settled)
+            return
+        best = self._best
+        if (self._pool is not None and best is not None and best.id != request.key
+                and self.task.backend in DUEL_BACKENDS
+                and wants_duel(result, best.fitness, self.config.search.duel_margin)):
+            self._duels[request.key] = ((request, result), best)
+            self._pool.submit(dataclasses.replace(request, stages="duel", rival=best.genome))
+            return
+        self._finish(request, result)
+
+    def _settle_held(self) -> None:
+        """Results whose duel did not come back (a time limit stopped the run) are kept as measured."""
+        for (request, result), _ in self._duels.values():
+            self._finish(request, result)
+        self._duels.clear()
+
+    def _finish(self, request: EvalRequest, result: EvalResult) -> None:
         descriptors = self._describe(request.genome, result)
         self.store.record_result(request.key, result, descriptors=descriptors)
         status = self._place(request.key, result, descriptors)

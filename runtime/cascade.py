@@ -195,6 +195,45 @@ def _run_given(
     return {name: inst.arrays[name].copy() for name in inst.outputs}, mismatch
 
 
+class _Dueled(Exception):
+    """A duel (``request.stages == "duel"``) is over; its figures are in the metrics."""
+
+
+def _duel(
+    task: Task, kernel: CKernel, request: EvalRequest, ctx: WorkerContext, clock: _Clock,
+    metrics: dict[str, Any], timings: dict[str, float],
+) -> float:
+    """Times ``kernel`` side by side with the rival's on the full case (same inputs, interleaved, under the
+    lock); returns the kernel's fitness from this timing and puts ``duel_ratio`` (rival time / kernel
+    time) in ``metrics``. The kernel is checked again first and its timed output compared after."""
+    if request.rival is None:
+        raise Failure(Status.INVALID, "a duel needs a rival genome")
+    settings = request.settings
+    built = compile_source(task.render(request.rival), compiler=settings.compiler,
+                           extra_flags=task.compile_flags(), cache_dir=ctx.cache_dir, work_dir=ctx.work_dir)
+    rival = load_kernel(built.path, task.kernel_name)
+    try:
+        full_case = task.full_case()
+        mine = _check(task, kernel, full_case, clock)
+        theirs = _instance(task, full_case, clock, given=mine.inputs)
+        call = kernel.bind(task.kernel_args(full_case, mine.arrays))
+        rival_call = rival.bind(task.kernel_args(full_case, theirs.arrays))
+        t0 = time.perf_counter()
+        with ctx.lock.held() as waited, pinned(settings.timing.core, task.args.threads):
+            run = time_interleaved(call, rival_call, settings.timing, before=mine.poison, after=mine.verify_written)
+        timings["lock_wait_s"] = waited
+        timings["time_s"] = time.perf_counter() - t0 - waited
+        clock.calls += run.call_seconds
+        mine.verify_integrity()
+        _compare(task, mine)
+    finally:
+        rival.close()
+    median = max(run.candidate.median, 1e-12)
+    metrics.update(duel_ratio=run.reference.median / median, duel_rival=request.rival.id, time_median_s=median,
+                   rival_time_median_s=run.reference.median, n_repeats=run.candidate.n)
+    return task.work(full_case) / median
+
+
 def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult:
     """Runs the whole cascade for one request; a failing stage ends it with its status."""
     if task.backend == "engine":  # an engine configuration, measured under load (runtime.engine)
@@ -238,6 +277,10 @@ def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult
             if mismatch is not None:
                 metrics["reference_mismatch"] = mismatch
             raise _Done
+
+        if request.stages == "duel":
+            fitness = _duel(task, kernel, request, ctx, clock, metrics, timings)
+            raise _Dueled
 
         t0 = time.perf_counter()
         for _ in range(settings.check_trials):
@@ -293,6 +336,8 @@ def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult
         status, fitness, error = Status.OK, work / median, None
     except _Done:
         status, fitness, error = Status.OK, None, None
+    except _Dueled:
+        status, error = Status.OK, None
     except Failure as exc:
         status, fitness, error = exc.status, None, str(exc)
     finally:

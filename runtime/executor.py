@@ -29,8 +29,11 @@ class EvalRequest:
     # how far the cascade goes: "compile" stops after compiling, "check" after the correctness checks
     # (no timing, no lock), "full" times it too. Partial runs end ``ok`` without a fitness.
     # "run" calls the kernel once on ``inputs`` for ``case`` (guarded, checked for integrity) and returns
-    # its outputs in ``EvalResult.outputs`` (what serving's kernel invoke uses).
-    stages: Literal["compile", "check", "full", "run"] = "full"
+    # its outputs in ``EvalResult.outputs`` (what serving's kernel invoke uses). "duel" checks the genome
+    # again, then times it side by side with ``rival`` (the current best): ``metrics["duel_ratio"]`` is
+    # the rival's time over the genome's (> 1: the genome is faster).
+    stages: Literal["compile", "check", "full", "run", "duel"] = "full"
+    rival: Genome | None = None  # stages="duel" only
     case: Mapping[str, Any] | None = None  # stages="run" only
     inputs: Mapping[str, np.ndarray] | None = None  # stages="run" only: the case's inputs by name
 

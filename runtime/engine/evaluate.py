@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 from pydantic import ValidationError
 
 from runtime.backends.c import CompileError
@@ -47,6 +48,49 @@ def measure(engine: Engine, task: EngineTask) -> tuple[LoadResult, float, int]:
     return result, memory, batches
 
 
+class _Dueled(Exception):
+    """A duel is over; its figures are in the metrics."""
+
+
+DUEL_ROUNDS = 2
+
+
+def _duel(engine: Engine, request: EvalRequest, task: EngineTask, ctx: WorkerContext, metrics: dict[str, Any],
+          timings: dict[str, float]) -> float | None:
+    """Runs the load on ``engine`` and on the rival's engine in turn, ``DUEL_ROUNDS`` rounds each under the
+    lock; ``duel_ratio`` is the median throughput over the rival's. Returns the engine's fitness from
+    these rounds (``None`` when its median p99 is over the budget)."""
+    if request.rival is None:
+        raise Failure(Status.INVALID, "a duel needs a rival genome")
+    settings, a = request.settings, task.args
+    rival = task.build(task.engine_config(request.rival), compiler=settings.compiler, cache_dir=ctx.cache_dir,
+                       work_dir=ctx.work_dir)
+    mine: list[LoadResult] = []
+    theirs: list[LoadResult] = []
+    try:
+        t0 = time.perf_counter()
+        with ctx.lock.held() as waited, pinned(settings.timing.core, task.cores):
+            for _ in range(DUEL_ROUNDS):
+                for e, out in ((engine, mine), (rival, theirs)):
+                    e.start()
+                    try:
+                        out.append(closed_loop(e.submit, task.texts(), concurrency=a.concurrency,
+                                               duration_s=a.duration_s, warmup_s=a.warmup_s))
+                    finally:
+                        e.stop()
+        timings["lock_wait_s"] = waited
+        timings["time_s"] = time.perf_counter() - t0 - waited
+    finally:
+        rival.close()
+    throughput = float(np.median([r.throughput for r in mine]))
+    rival_throughput = float(np.median([r.throughput for r in theirs]))
+    p99 = float(np.median([r.p99_ms for r in mine]))
+    metrics.update(duel_ratio=throughput / rival_throughput if rival_throughput else float("inf"),
+                   duel_rival=request.rival.id, throughput=throughput, p99_ms=p99,
+                   rival_throughput=rival_throughput, duel_rounds=DUEL_ROUNDS)
+    return None if p99 > a.p99_budget_ms else throughput
+
+
 def evaluate_engine(request: EvalRequest, task: EngineTask, ctx: WorkerContext) -> EvalResult:
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -76,6 +120,9 @@ def evaluate_engine(request: EvalRequest, task: EngineTask, ctx: WorkerContext) 
                           f"{task.args.similarity_floor:g} (precision {config.precision})")
         if request.stages == "check":
             raise _Done
+        if request.stages == "duel":
+            fitness = _duel(engine, request, task, ctx, metrics, timings)
+            raise _Dueled
 
         t0 = time.perf_counter()
         with ctx.lock.held() as waited, pinned(settings.timing.core, task.cores) as cores:
@@ -101,6 +148,8 @@ def evaluate_engine(request: EvalRequest, task: EngineTask, ctx: WorkerContext) 
         status, fitness, error = Status.OK, (None if over else run.throughput), None
     except _Done:
         status, fitness, error = Status.OK, None, None
+    except _Dueled:
+        status, error = Status.OK, None
     except Failure as exc:
         status, fitness, error = exc.status, None, str(exc)
     finally:

@@ -113,3 +113,21 @@ def test_partial_cascades_stop_early_without_fitness(workdir, task, ctx, stages,
     assert ("check_s" in r.timings) is has_check and ("time_s" in r.timings) is has_time
     wrong = dataclasses.replace(request(workdir, kernel("")), stages=stages)
     assert evaluate(wrong, task, ctx).status is (Status.OK if stages == "compile" else Status.WRONG)
+
+
+SLOW = "for (int r = 0; r < 8; r++) for (int i = 0; i < n; i++) y[i] = a * x[i] + b;"
+
+
+def test_a_duel_times_the_genome_side_by_side_with_its_rival(workdir, task, ctx):
+    fast, slow = request(workdir, kernel(CORRECT)), request(workdir, kernel(SLOW))
+    won = evaluate(dataclasses.replace(fast, stages="duel", rival=slow.genome), task, ctx)
+    assert won.status is Status.OK, won.error
+    assert won.metrics["duel_ratio"] > 2 and won.metrics["duel_rival"] == slow.genome.id and won.fitness > 0
+    lost = evaluate(dataclasses.replace(slow, stages="duel", rival=fast.genome), task, ctx)
+    assert lost.status is Status.OK and lost.metrics["duel_ratio"] < 0.5
+
+
+def test_a_duel_checks_the_challenger_again(workdir, task, ctx):
+    wrong = request(workdir, kernel("for (int i = 0; i < n; i++) y[i] = a * x[i];"))
+    r = evaluate(dataclasses.replace(wrong, stages="duel", rival=request(workdir, kernel(CORRECT)).genome), task, ctx)
+    assert r.status is Status.WRONG and "duel_ratio" not in r.metrics

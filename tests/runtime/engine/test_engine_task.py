@@ -128,3 +128,16 @@ def test_relative_kernel_run_dirs_are_made_absolute():
                                       "model_dir": "m"}, "/work/here")
     assert args["kernels"] == {"gelu": {"run_dir": "/work/here/runs/g"}, "softmax": {"run_dir": "/abs/s"}}
     assert args["model_dir"] == "/work/here/m"
+
+
+def test_an_engine_duel_runs_both_engines_in_turn(task, tmp_path):
+    import dataclasses
+
+    req, t = _request(task, {"max_batch": 8}, tmp_path)
+    rival = Genome(params={**t.seeds()[0].params, "max_batch": 1})
+    res = evaluate_engine(dataclasses.replace(req, stages="duel", rival=rival), t, _ctx(tmp_path))
+    assert res.status == Status.OK, res.error
+    m = res.metrics
+    assert m["duel_rival"] == rival.id and m["duel_rounds"] == 2 and m["rival_throughput"] > 0
+    assert m["duel_ratio"] == pytest.approx(m["throughput"] / m["rival_throughput"])
+    assert res.fitness == pytest.approx(m["throughput"]) and m["similarity"] > 0.9999
