@@ -3,9 +3,10 @@
 A slot's C kernel is an elite of a built-in task whose signature fits it (``SLOT_TASKS``): the
 ``layernorm`` slot takes ``layernorm`` elites, the attention ``softmax`` slot ``softmax`` elites, the
 ``gelu`` slot (bias + GELU, fused) ``gelu`` elites, the ``linear`` slot (every weight GEMM: QKV, attention
-output, feed-forward up and down) ``linear_bf16`` elites, which run the GEMMs in bf16 with fp32
-accumulation (so an engine using one is checked against the similarity floor like any reduced
-precision). The attention's batched matmuls stay numpy's BLAS. Every implementation returns a new
+output, feed-forward up and down) ``linear_bf16`` elites (bf16 GEMMs, fp32 accumulation) or
+``linear_int8`` elites (u8 activations quantised per token, s8 weights per channel, int32
+accumulation); an engine using either is checked against the similarity floor like any reduced
+precision. The attention's batched matmuls stay numpy's BLAS. Every implementation returns a new
 array and leaves its inputs alone, so slots can be swapped freely.
 """
 
@@ -23,8 +24,10 @@ from runtime.backends.c import CKernel
 
 __all__ = ["SLOT_TASKS", "SLOTS", "Ops", "c_slot", "numpy_ops"]
 
-SLOT_TASKS: dict[str, str] = {"layernorm": "layernorm", "softmax": "softmax", "gelu": "gelu", "linear": "linear_bf16"}
-"""Slot -> the built-in task whose elites fill it (the task's signature is the slot's C calling convention)."""
+SLOT_TASKS: dict[str, tuple[str, ...]] = {
+    "layernorm": ("layernorm",), "softmax": ("softmax",), "gelu": ("gelu",), "linear": ("linear_bf16", "linear_int8"),
+}
+"""Slot -> the built-in tasks whose elites fill it (each task's signature is a calling convention of the slot)."""
 SLOTS = tuple(SLOT_TASKS)
 
 log = logging.getLogger(__name__)
@@ -113,8 +116,10 @@ def _f32(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
-def c_slot(slot: str, kernel: CKernel) -> Callable[..., np.ndarray]:
-    """Wraps ``kernel`` (an elite of ``SLOT_TASKS[slot]``) as the slot's function."""
+def c_slot(slot: str, kernel: CKernel, task: str | None = None) -> Callable[..., np.ndarray]:
+    """Wraps ``kernel``, an elite of ``task`` (one of ``SLOT_TASKS[slot]``; default the first), as the slot's
+    function."""
+    task = task or SLOT_TASKS.get(slot, ("",))[0]
     if slot == "layernorm":
 
         def layernorm(x: np.ndarray, g: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
@@ -142,48 +147,70 @@ def c_slot(slot: str, kernel: CKernel) -> Callable[..., np.ndarray]:
             return y
 
         return bias_gelu
-    if slot == "linear":
-        return _bf16_linear(kernel)
-    raise ValueError(f"unknown slot {slot!r} (slots: {', '.join(SLOTS)})")
+    if slot == "linear" and task in _LINEAR:
+        return _packed_linear(kernel, _LINEAR[task])
+    takes = ", ".join(f"{s} ({' or '.join(t)})" for s, t in SLOT_TASKS.items())
+    raise ValueError(f"no slot {slot!r} for {task!r} kernels (slots: {takes})")
 
 
-def _bf16_linear(kernel: CKernel) -> Callable[..., np.ndarray]:
-    """``x @ w + b`` through a ``linear_bf16`` kernel; each weight is packed to bf16 once, on first use.
+@dataclass(frozen=True)
+class _LinearKind:
+    """How a linear kernel takes its weights: the CPU flag it needs, the (k, n) multiples it accepts, and
+    the packing that turns a fp32 ``[k, n]`` weight into its leading arguments."""
+
+    flag: str
+    k_multiple: int
+    pack: str  # "module:function" returning a tuple of arrays
+
+
+_LINEAR = {
+    "linear_bf16": _LinearKind("avx512_bf16", 32, "runtime.tasks.linear_bf16:pack_bf16"),
+    "linear_int8": _LinearKind("avx512_vnni", 64, "runtime.tasks.linear_int8:pack_int8"),
+}
+
+
+def _packed_linear(kernel: CKernel, kind: _LinearKind) -> Callable[..., np.ndarray]:
+    """``x @ w + b`` through a linear kernel (bf16 or int8); each weight is packed once, on first use.
 
     The packed copies are keyed by the weight array's identity and keep the array alive (so an id is
-    never reused while its entry exists); the model's weights live as long as the engine.
+    never reused while its entry exists); the model's weights live as long as the engine. Shapes outside
+    the kernel's contract (not this model's) run in fp32 BLAS.
     """
-    from runtime.hardware import cpu_flags
-    from runtime.tasks.linear_bf16 import pack_bf16
+    import importlib
 
-    if "avx512_bf16" not in cpu_flags():
+    from runtime.hardware import cpu_flags
+
+    if kind.flag not in cpu_flags():
         # an elite evolved on another machine: its instructions would kill the process (SIGILL) here
-        log.warning("linear slot: this CPU has no AVX512-BF16 (nor AMX): the bf16 kernel %s is not used, "
-                    "the GEMMs run in fp32 BLAS", os.path.basename(kernel.path))
+        log.warning("linear slot: this CPU has no %s: the kernel %s is not used, the GEMMs run in fp32 BLAS",
+                    kind.flag, os.path.basename(kernel.path))
         return lambda x, w, b=None: np_linear(x, w, b) if b is not None else x @ w
-    packed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    module, _, name = kind.pack.partition(":")
+    pack_fn = getattr(importlib.import_module(module), name)
+    packed: dict[int, tuple[np.ndarray, tuple[np.ndarray, ...]]] = {}
     zeros: dict[int, np.ndarray] = {}
     lock = threading.Lock()
 
-    def pack(w: np.ndarray) -> np.ndarray:
+    def pack(w: np.ndarray) -> tuple[np.ndarray, ...]:
         entry = packed.get(id(w))
         if entry is None:
             with lock:
-                entry = packed.get(id(w)) or (w, pack_bf16(w))
-                packed[id(w)] = entry
+                if (entry := packed.get(id(w))) is None:
+                    out = pack_fn(w)
+                    entry = packed[id(w)] = (w, out if isinstance(out, tuple) else (out,))
         return entry[1]
 
     def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         x = _f32(x)
         (m, k), n = x.shape, w.shape[1]
-        if k % 32 or n % 16:  # outside the kernel's contract (not a shape of this model): fp32 BLAS
+        if k % kind.k_multiple or n % 16:
             return np_linear(x, w, b) if b is not None else x @ w
         if b is None:
             b = zeros.get(n)
             if b is None:
                 b = zeros.setdefault(n, np.zeros(n, np.float32))
         y = np.empty((m, n), np.float32)
-        kernel.bind([m, n, k, x, pack(w), _f32(b), y])()
+        kernel.bind([m, n, k, x, *pack(w), _f32(b), y])()
         return y
 
     return linear

@@ -45,6 +45,7 @@ class KernelSource:
     id: str
     source: str
     flags: tuple[str, ...]
+    task: str = ""  # the task that evolved it (empty: the slot's first, SLOT_TASKS[slot][0])
 
 
 class StoredRun:
@@ -95,13 +96,14 @@ class StoredRun:
         want = SLOT_TASKS.get(slot)
         if want is None:
             raise ValueError(f"unknown slot {slot!r} (slots: {', '.join(SLOT_TASKS)})")
-        if self.task.name != want:
-            raise ValueError(f"{self.path} evolved {self.task.name!r} kernels; slot {slot!r} takes {want!r} ones")
+        if self.task.name not in want:
+            raise ValueError(f"{self.path} evolved {self.task.name!r} kernels; slot {slot!r} takes "
+                             f"{' or '.join(repr(t) for t in want)} ones")
         cand = self.candidate(cid)
         if cand.status != "ok":
             raise ValueError(f"candidate {cand.id[:12]} in {self.path} is {cand.status}, not ok")
         task = load_task_class(self.task.name)(self.task.args)
-        return KernelSource(slot, cand.id, task.render(cand.genome), tuple(task.compile_flags()))
+        return KernelSource(slot, cand.id, task.render(cand.genome), tuple(task.compile_flags()), self.task.name)
 
 
 def build_ops(
@@ -118,7 +120,7 @@ def build_ops(
                                    work_dir=work_dir)
             kernel = load_kernel(built.path, "kernel")
             ops.kernels[slot] = kernel
-            fn = c_slot(slot, kernel)
+            fn = c_slot(slot, kernel, ks.task or None)
             setattr(ops, slot, fn)
             if slot == "linear":  # the bias-free GEMM ahead of the fused bias + GELU runs on it too
                 ops.matmul = fn

