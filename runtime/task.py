@@ -155,6 +155,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "layernorm": "runtime.tasks.layernorm:LayerNorm",
     "gelu": "runtime.tasks.gelu:Gelu",
     "linear_bf16": "runtime.tasks.linear_bf16:LinearBf16",
+    "linear_int8": "runtime.tasks.linear_int8:LinearInt8",
     "matmul_cuda": "runtime.tasks.matmul_cuda:MatmulCuda",
     "softmax_cuda": "runtime.tasks.softmax_cuda:SoftmaxCuda",
     "engine": "runtime.engine.task:EngineTask",
