@@ -65,8 +65,8 @@ def _points(task_name: str) -> list[Genome]:
     return points
 
 
-def _kernel_ops(slot: str, genome: Genome, cache: str):
-    task = load_task_class(SLOT_TASKS[slot][0])()
+def _kernel_ops(slot: str, genome: Genome, cache: str, task_name: str | None = None):
+    task = load_task_class(task_name or SLOT_TASKS[slot][0])()
     ks = KernelSource(slot, genome.id, task.render(genome), tuple(task.compile_flags()), task.name)
     return build_ops({slot: ks}, compiler=CompilerSettings(), cache_dir=cache)
 
@@ -187,6 +187,52 @@ def test_compile_is_cached(tmp_path):
     first = compile_source(src, compiler=CompilerSettings(), cache_dir=str(tmp_path))
     again = compile_source(src, compiler=CompilerSettings(), cache_dir=str(tmp_path))
     assert not first.cached and again.cached and first.path == again.path
+
+
+def _int8_points() -> list[Genome]:
+    """The linear_int8 seeds (the scalar loops, a VNNI tile) and, where the CPU has it, an AMX point."""
+    points = list(load_task_class("linear_int8")().seeds())
+    with open("/proc/cpuinfo") as f:
+        if "amx_int8" in f.read():
+            points.append(Genome(params={**points[-1].params, "ISA": "AMX"}))
+    return points
+
+
+@pytest.mark.parametrize("genome", _int8_points(), ids=lambda g: str(g.params.get("ISA", "naive")))
+def test_c_linear_slot_runs_int8_kernels_on_every_weight_shape(genome, tmp_path):
+    from runtime.tasks.linear_int8 import int8_linear_reference, pack_int8
+
+    ops = _kernel_ops("linear", genome, str(tmp_path), "linear_int8")
+    try:
+        assert ops.matmul is ops.linear
+        for m, k, n in ((1, 384, 1152), (37, 384, 384), (70, 1536, 384), (9, 32, 48)):
+            x = RNG.standard_normal((m, k)).astype(np.float32)
+            w = (RNG.standard_normal((k, n)) * 0.05).astype(np.float32)
+            b = RNG.standard_normal(n).astype(np.float32)
+            exact = x.astype(np.float64) @ w + b
+            got = ops.linear(x, w, b)
+            if k % 64:  # outside the kernel's contract: fp32 BLAS
+                np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4)
+                continue
+            np.testing.assert_allclose(got, int8_linear_reference(x, *pack_int8(w), b), rtol=1e-5, atol=1e-5)
+            assert 1e-3 < np.abs(got - exact).max() < 0.1 * np.abs(exact).max()  # int8: close, not exact
+            no_bias = int8_linear_reference(x, *pack_int8(w), np.zeros(n, np.float32))
+            np.testing.assert_allclose(ops.matmul(x, w), no_bias, rtol=1e-5, atol=1e-5)
+    finally:
+        ops.close()
+
+
+def test_engine_with_an_int8_linear_slot_is_measured_against_the_floor(model, sentences, reference_embeddings,
+                                                                     tmp_path):
+    """Every weight GEMM in int8 (per-token u8 activations, per-channel s8 weights): the embeddings stay
+    above the default similarity floor (0.99) on the test corpus, well below bf16's closeness."""
+    ops = _kernel_ops("linear", _int8_points()[1], str(tmp_path), "linear_int8")
+    try:
+        got = embed_sorted(model, sentences, ops)
+    finally:
+        ops.close()
+    cos = np.sum(got * reference_embeddings, axis=1)
+    assert 0.99 <= cos.min() < 0.9999
 
 
 def test_a_bf16_elite_on_a_cpu_without_bf16_falls_back_to_fp32(tmp_path, monkeypatch, caplog):
