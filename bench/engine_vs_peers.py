@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/bench_engine"), help="run dir for --config")
     ap.add_argument("--max-evals", type=int, help="with --config: evaluations of the search")
     ap.add_argument("--id", help="this engine instead of the run's best")
+    ap.add_argument("--also", nargs="*", default=[], metavar="ID", help="more engines of the run, side by side")
     ap.add_argument("--duration", type=float, help="measured seconds per contestant [default: the run's]")
     ap.add_argument("--batch", type=int, default=32, help="peers' max batch size")
     ap.add_argument("--rounds", type=int, default=3, help="measurements of each contestant, interleaved")
@@ -155,6 +156,8 @@ def main() -> None:
         engines = {f"evoforge engine (evolved: {kind} workers)": load_elite(run_dir, cand.id, model=model),
                    f"evoforge engine ({other} workers)": load_elite(run_dir, cand.id, model=model,
                                                                     overrides={"worker_kind": other})}
+        for extra in args.also:
+            engines[f"evoforge engine {run.candidate(extra).id[:12]}"] = load_elite(run_dir, extra, model=model)
         similarity = {name: min_cosine(e.embed(texts), reference) for name, e in engines.items()}
         for name, embed in peers.items():
             got = np.concatenate([embed(list(texts[i : i + 32])) for i in range(0, len(texts), 32)])
