@@ -5,8 +5,9 @@ above the best may only have been timed in a quiet moment. When a result lands w
 ``search.duel_margin`` above the best, the controller holds it back and asks a worker to time both
 kernels (or engines) interleaved, under the timing lock. The duel's ratio decides: a challenger faster
 side by side keeps its fitness and is crowned; one that is not gets the best's fitness times the ratio
-(below the best, where the side-by-side timing puts it). The candidate's result is recorded once, after
-the duel, so a run killed mid-duel re-evaluates it on resume.
+(below the best, where the side-by-side timing puts it); one that fails its re-check, or gets no verdict,
+is not crowned either (:func:`settle`). The candidate's result is recorded once, after the duel: a run
+killed mid-duel re-evaluates it on resume; one stopped by its budget records it capped at the best.
 """
 
 from __future__ import annotations
@@ -30,19 +31,32 @@ def wants_duel(result: EvalResult, best_fitness: float | None, margin: float) ->
     return best_fitness < result.fitness <= best_fitness * (1.0 + margin)
 
 
-def settle(result: EvalResult, duel: EvalResult, rival_id: str, rival_fitness: float) -> EvalResult:
-    """The challenger's result once its duel is over (``duel`` is the duel evaluation's result).
+def settle(result: EvalResult, duel: EvalResult | None, rival_id: str, rival_fitness: float) -> EvalResult:
+    """The challenger's result once its duel is over (``duel``: the duel evaluation's result, ``None`` when
+    the run stopped before it came back). Only a challenger faster side by side is crowned:
 
-    A duel that failed (the rival no longer compiles, a crash) leaves the result as it was, noted in
-    its metrics; so does a won duel. A lost one (ratio <= 1) caps the fitness at ``rival_fitness * ratio``.
+    - won (ratio > 1, fitness within any budget): the result as measured;
+    - lost (ratio <= 1, or over the engine's p99 budget in the duel): fitness ``rival_fitness * ratio``;
+    - the challenger broke a rule when checked again (``wrong``, ``invalid``): the duel's failure is its result;
+    - no verdict (the duel crashed, timed out, or never ran): capped at ``rival_fitness``, not crowned.
     """
-    ratio = duel.metrics.get("duel_ratio") if duel.status == Status.OK else None
-    note = {"rival": rival_id, "rival_fitness": rival_fitness, "ratio": ratio}
+    ratio = duel.metrics.get("duel_ratio") if duel is not None and duel.status == Status.OK else None
+    note: dict[str, object] = {"rival": rival_id, "rival_fitness": rival_fitness, "ratio": ratio}
+    if result.fitness is None:
+        return replace(result, metrics={**result.metrics, "duel": note})
+    if duel is not None and duel.status in (Status.WRONG, Status.INVALID):
+        note["won"] = False
+        return replace(duel, metrics={**duel.metrics, "duel": note, "fitness_before_duel": result.fitness})
     if ratio is None:
-        note["error"] = duel.error or f"duel ended {duel.status}"
+        note["won"] = False
+        note["error"] = "the run stopped first" if duel is None else (duel.error or f"duel ended {duel.status}")
+        return _capped(result, min(result.fitness, rival_fitness), note)
+    note["won"] = won = ratio > 1.0 and duel is not None and duel.fitness is not None
+    if won:
         return replace(result, metrics={**result.metrics, "duel": note})
-    note["won"] = won = ratio > 1.0
-    if won or result.fitness is None:
-        return replace(result, metrics={**result.metrics, "duel": note})
-    return replace(result, fitness=rival_fitness * ratio,
+    return _capped(result, rival_fitness * min(ratio, 1.0), note)
+
+
+def _capped(result: EvalResult, fitness: float, note: dict[str, object]) -> EvalResult:
+    return replace(result, fitness=fitness,
                    metrics={**result.metrics, "duel": note, "fitness_before_duel": result.fitness})

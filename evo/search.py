@@ -241,9 +241,9 @@ class Search:
         self._finish(request, result)
 
     def _settle_held(self) -> None:
-        """Results whose duel did not come back (a time limit stopped the run) are kept as measured."""
-        for (request, result), _ in self._duels.values():
-            self._finish(request, result)
+        """Results whose duel did not come back (a time limit or Ctrl-C stopped the run): recorded, not crowned."""
+        for (request, result), best in self._duels.values():
+            self._finish(request, settle(result, None, best.id, best.fitness or 0.0))
         self._duels.clear()
 
     def _finish(self, request: EvalRequest, result: EvalResult) -> None:

@@ -62,12 +62,16 @@ class EngineRunner:
 
         self.engine, self.served, self._metrics = engine, served, metrics
         c = engine.config
-        # thread or process workers fitted to the cores; BLAS threads are process-wide and the server owns them
-        self._forward = engine.start_workers(restore_blas=False)
-        workers = engine.threads[0] if engine.threads else c.workers
-        self.batcher: Batcher[np.ndarray, tuple[np.ndarray, BatchInfo]] = Batcher(
-            self._run, max_batch=c.max_batch, token_budget=c.token_budget, max_wait_ms=c.max_wait_ms,
-            queue_size=c.queue_size, workers=workers, bucketing=c.bucketing == "queue", name="evoforge-serve")
+        try:
+            # thread or process workers fitted to the cores; BLAS threads are process-wide, the server owns them
+            self._forward = engine.start_workers(restore_blas=False)
+            workers = engine.threads[0] if engine.threads else c.workers
+            self.batcher: Batcher[np.ndarray, tuple[np.ndarray, BatchInfo]] = Batcher(
+                self._run, max_batch=c.max_batch, token_budget=c.token_budget, max_wait_ms=c.max_wait_ms,
+                queue_size=c.queue_size, workers=workers, bucketing=c.bucketing == "queue", name="evoforge-serve")
+        except BaseException:
+            engine.close()  # its children and kernels: the caller never gets a runner to close
+            raise
 
     def _run(self, seqs: list[np.ndarray]) -> list[tuple[np.ndarray, BatchInfo]]:
         t0 = time.perf_counter()

@@ -8,6 +8,7 @@ temporary file and renames it into the cache, so a reader never sees a half-writ
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import errno
 import functools
 import hashlib
@@ -203,15 +204,27 @@ def _publish(built: str, final: str, cache_dir: str) -> None:
         raise
 
 
+_LIBGOMP: ctypes.CDLL | None = None
+
+
+def _hold_libgomp() -> None:
+    """Keeps libgomp loaded for the life of the process: OpenMP's pooled threads outlive every parallel
+    region, and if the last kernel using OpenMP took libgomp with it when unloaded, the process would
+    crash at exit running unmapped code."""
+    global _LIBGOMP
+    if _LIBGOMP is None:
+        _LIBGOMP = ctypes.CDLL(ctypes.util.find_library("gomp") or "libgomp.so.1", mode=ctypes.RTLD_GLOBAL)
+
+
 class CKernel:
     """A kernel function loaded from a shared library; call :meth:`bind` once per argument list."""
 
     def __init__(self, path: str, name: str) -> None:
         self.path = path
-        # A library linked against libgomp must never be unloaded: OpenMP's pooled threads outlive the
-        # parallel region and the process crashes at exit if their code was unmapped.
         with open(path, "rb") as f:
-            self._unloadable = b"libgomp" not in f.read()
+            self.openmp = b"libgomp" in f.read()  # linked against GNU OpenMP
+        if self.openmp:
+            _hold_libgomp()
         self._lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
         try:
             self._fn = getattr(self._lib, name)
@@ -246,10 +259,9 @@ class CKernel:
         return functools.partial(fn, *values)
 
     def close(self) -> None:
-        """Unloads the library (the long-lived worker would otherwise accumulate every candidate); an
-        OpenMP library stays loaded."""
+        """Unloads the library (the long-lived worker would otherwise accumulate every candidate)."""
         lib, self._lib = self._lib, None
-        if lib is not None and self._unloadable:
+        if lib is not None:
             import _ctypes
 
             _ctypes.dlclose(lib._handle)

@@ -69,6 +69,7 @@ class Engine:
         self._blas: object | None = None
         self._procs: ProcessWorkers | None = None
         self.threads: tuple[int, int] | None = None  # (workers, BLAS threads) running, once started
+        self.worker_kind = config.worker_kind  # what runs, once started (OpenMP kernels force threads)
 
     @property
     def dim(self) -> int:
@@ -121,7 +122,15 @@ class Engine:
             log.warning("engine: %d worker(s) x %d BLAS thread(s) exceed the %d core(s) this process may use; "
                         "running %d x %d", c.workers, c.blas_threads, cores, workers, blas)
         self.threads = (workers, blas)
-        if c.worker_kind == "process":
+        kind = c.worker_kind
+        if kind == "process" and any(k.openmp for k in self.ops.kernels.values()):
+            # GNU OpenMP does not survive a fork once it has run: a child's first parallel region would hang
+            log.warning("engine: OpenMP kernels cannot run in forked workers: running thread workers instead")
+            kind = "thread"
+        self.worker_kind = kind
+        if kind == "process":
+            # one tiny batch first: kernels are loaded and weights packed here, then shared with the children
+            self.run_batch([np.array([0, 0], np.int32)])
             self._procs = ProcessWorkers(self.run_batch, workers, blas_threads=blas)
             return self._procs
         # threads share the process-wide BLAS pool: one BLAS call per worker at a time

@@ -60,6 +60,7 @@ class ProcessWorkers:
         self._free: queue.SimpleQueue[tuple[Connection, multiprocessing.process.BaseProcess]] = queue.SimpleQueue()
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[Connection] = []
+        self._alive = 0
         try:
             for i in range(count):
                 parent, child = ctx.Pipe()
@@ -70,6 +71,7 @@ class ProcessWorkers:
                 self._procs.append(proc)
                 self._conns.append(parent)
                 self._free.put((parent, proc))
+                self._alive += 1
         except BaseException:
             self.close()
             raise
@@ -78,16 +80,28 @@ class ProcessWorkers:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None]
 
+    @property
+    def alive(self) -> int:
+        """Children still serving (a dead one is not replaced: forking again from a busy server could
+        inherit a lock some thread holds; the engine runs on the rest, and with none left every batch fails)."""
+        return self._alive
+
     def __call__(self, seqs: Sequence[np.ndarray]) -> np.ndarray:
-        conn, proc = self._free.get()
+        while True:
+            try:
+                conn, proc = self._free.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if self._alive == 0:
+                    raise WorkerDied("every engine worker process has died") from None
         try:
             conn.send(list(seqs))
             kind, value = conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
             proc.join(timeout=1.0)
+            self._alive -= 1  # its pipe is not put back: later batches go to the children left
             raise WorkerDied(f"engine worker process {proc.pid} died (exit code {proc.exitcode})") from None
-        finally:  # a dead child's pipe goes back too: a later batch on it fails at once, never hangs
-            self._free.put((conn, proc))
+        self._free.put((conn, proc))
         if kind == "error":
             raise RuntimeError(f"the engine worker process failed:\n{value}")
         return value

@@ -36,8 +36,15 @@ def test_a_lost_duel_caps_the_fitness_where_the_side_by_side_timing_puts_it():
     assert lost.metrics["duel"] == {"rival": "best", "rival_fitness": 100.0, "ratio": 0.9, "won": False}
     won = settle(challenger, _ok(120.0, duel_ratio=1.02), "best", 100.0)
     assert won.fitness == 105.0 and won.metrics["duel"]["won"] is True
-    failed = settle(challenger, EvalResult(status=Status.CRASH, error="SIGSEGV"), "best", 100.0)
-    assert failed.fitness == 105.0 and failed.metrics["duel"]["error"] == "SIGSEGV"
+    crashed = settle(challenger, EvalResult(status=Status.CRASH, error="SIGSEGV"), "best", 100.0)
+    assert crashed.fitness == 100.0 and crashed.metrics["duel"]["error"] == "SIGSEGV"  # no verdict: not crowned
+    stopped = settle(challenger, None, "best", 100.0)
+    assert stopped.fitness == 100.0 and stopped.metrics["duel"]["error"] == "the run stopped first"
+    wrong = settle(challenger, EvalResult(status=Status.WRONG, error="max error 3 in output 'y'"), "best", 100.0)
+    assert wrong.status == Status.WRONG and wrong.fitness is None and wrong.metrics["fitness_before_duel"] == 105.0
+    over_budget = settle(challenger, EvalResult(status=Status.OK, fitness=None, metrics={"duel_ratio": 1.2}),
+                         "best", 100.0)  # an engine faster in the duel but over its p99 budget there
+    assert over_budget.fitness == 100.0 and over_budget.metrics["duel"]["won"] is False
 
 
 def test_a_search_duels_its_would_be_bests(tmp_path):

@@ -82,6 +82,22 @@ def _fails_on_empty(seqs):
     return np.stack([np.full(3, float(len(s)), np.float32) for s in seqs])
 
 
+def test_the_children_left_serve_when_one_dies():
+    workers = ProcessWorkers(_fails_on_empty, 2)
+    try:
+        os.kill(workers.pids[0], signal.SIGKILL)
+        results = []
+        for _ in range(4):  # the dead one fails at most one batch, then the other serves them all
+            try:
+                results.append(workers([np.zeros(4, np.int32)]))
+            except WorkerDied:
+                results.append(None)
+        assert sum(r is None for r in results) <= 1 and workers.alive == 1
+        assert results[-1].tolist() == [[4, 4, 4]]
+    finally:
+        workers.close()
+
+
 def test_an_error_in_a_worker_process_reaches_the_caller_and_the_worker_goes_on():
     workers = ProcessWorkers(_fails_on_empty, 1)
     try:
@@ -99,7 +115,8 @@ def test_a_crashed_worker_process_fails_its_batch_instead_of_hanging():
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(WorkerDied, match=f"{pid} died"):
             workers([np.zeros(2, np.int32)])
-        with pytest.raises(WorkerDied):  # and every later batch on it, at once
+        assert workers.alive == 0
+        with pytest.raises(WorkerDied, match="every engine worker process has died"):  # at once, never a hang
             workers([np.zeros(2, np.int32)])
     finally:
         workers.close()
@@ -127,3 +144,26 @@ def test_an_engine_pinned_to_one_core_runs_one_thread(model):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "(1, 1) 1"
     assert "exceed the 1 core(s)" in out.stderr
+
+
+def test_openmp_kernels_run_on_thread_workers_never_in_forked_children(model, sentences, tmp_path, caplog):
+    """GNU OpenMP hangs in a child forked after it ran in the parent: such an engine keeps its workers in threads."""
+    from runtime.engine import KernelSource, build_ops
+    from runtime.settings import CompilerSettings
+    from runtime.task import load_task_class
+
+    gelu = load_task_class("gelu")({"threads": 2})
+    ks = KernelSource("gelu", "t", gelu.render(gelu.seeds()[1]), tuple(gelu.compile_flags()))
+    ops = build_ops({"gelu": ks}, compiler=CompilerSettings(), cache_dir=str(tmp_path))
+    assert ops.kernels["gelu"].openmp
+    engine = Engine(model, ops, EngineConfig(workers=2, worker_kind="process"))
+    want = Engine(model, numpy_ops(), EngineConfig()).embed(sentences[:2])
+    with caplog.at_level("WARNING"):
+        engine.start()
+    try:
+        assert engine.worker_kind == "thread" and engine.worker_pids == []
+        got = np.stack([engine.submit(s).result(timeout=60) for s in sentences[:2]])
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    finally:
+        engine.close()
+    assert "OpenMP kernels cannot run in forked workers" in caplog.text
