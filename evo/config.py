@@ -182,7 +182,7 @@ def parse_config(data: Any, *, source: str, base_dir: Path | None = None) -> Run
     except ValidationError as exc:
         raise UserError(f"{source}: {_first_error(exc)}") from None
     try:  # relative paths in task args mean relative to where `evo run` runs, as --run-dir does
-        args = load_task_class(config.task.name).absolute_paths(config.task.args, os.getcwd())
+        args = load_task_class(config.task.name).resolve_args(config.task.args, os.getcwd())
         config = config.model_copy(update={"task": config.task.model_copy(update={"args": args})})
     except TaskLoadError:
         pass  # make_task says what is wrong with the name

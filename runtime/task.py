@@ -64,9 +64,10 @@ class Task(abc.ABC):
         self.args = self.Args.model_validate(dict(args or {}))
 
     @classmethod
-    def absolute_paths(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
-        """``args`` with the file paths in them made absolute against ``cwd``, as a run stores them (its
-        workers run in their own directories). The default task takes no paths: ``args`` unchanged."""
+    def resolve_args(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
+        """``args`` as a run stores them: file paths made absolute against ``cwd`` (workers run in their own
+        directories), anything read from elsewhere frozen (a resumed run sees what the run started with).
+        The default task takes neither: ``args`` unchanged."""
         return dict(args)
 
     # --- what may vary --------------------------------------------------------------------------

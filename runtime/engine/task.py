@@ -46,7 +46,7 @@ class KernelRun(BaseModel):
     @field_validator("run_dir")
     @classmethod
     def _absolute(cls, v: str) -> str:
-        # a config's relative paths were made absolute when it was loaded (EngineTask.absolute_paths)
+        # a config's relative paths were made absolute when it was loaded (EngineTask.resolve_args)
         return os.path.abspath(v)
 
 
@@ -109,12 +109,15 @@ class EngineTask(Task):
         self.reference_at = 0.0  # time.monotonic() when it was measured
 
     @classmethod
-    def absolute_paths(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
-        """The kernel runs' and the model's directories made absolute against ``cwd``."""
+    def resolve_args(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
+        """The kernel runs' and the model's directories made absolute against ``cwd``, and each kernel run's
+        ``top`` elites frozen into its ``ids`` (a resumed run, or a worker started later, offers the same
+        kernels even when that kernel run went on evolving)."""
         out = dict(args)
+
         def absolute(kr: Any) -> Any:
             if isinstance(kr, Mapping) and isinstance(kr.get("run_dir"), str):
-                return {**kr, "run_dir": os.path.join(cwd, kr["run_dir"])}
+                return _frozen({**kr, "run_dir": os.path.join(cwd, kr["run_dir"])})
             return [absolute(k) for k in kr] if isinstance(kr, list) else kr
 
         kernels = out.get("kernels")
@@ -324,6 +327,18 @@ class EngineTask(Task):
             "max_batch": Descriptor("max_batch", "the genome's max batch size",
                                     lambda g, m: float(g.params.get("max_batch", 1)), 0.0, 64.0),
         }
+
+
+def _frozen(kr: dict[str, Any]) -> dict[str, Any]:
+    """A kernel run entry with its ``top`` elites (read now) as explicit ``ids``; as given when it names
+    ids already, or its run cannot be read (the task's checks report that, or skip an optional run)."""
+    if kr.get("ids") is not None:
+        return kr
+    try:
+        ids = StoredRun(kr["run_dir"]).elite_ids(int(kr.get("top", KernelRun.model_fields["top"].default)))
+    except (RunNotFound, TypeError, ValueError):
+        return kr
+    return {**kr, "ids": ids} if ids else kr
 
 
 def _lengths(seqs: list[np.ndarray]) -> np.ndarray:

@@ -61,8 +61,9 @@ def test_engine_search_runs_and_its_elite_loads_back(tmp_path, model, sentences)
         config = load_config(eng_cfg)
     space = config.make_space(config.make_task())
     assert space.names()[-1] == "kernel_layernorm" and len(space.params["kernel_layernorm"].values()) == 3
-    assert [k["run_dir"] for k in config.task.args["kernels"]["layernorm"]] == [str(tmp_path / p)
-                                                                             for p in ("ln", "no-run-yet")]
+    ln_run, not_yet = config.task.args["kernels"]["layernorm"]
+    assert (ln_run["run_dir"], not_yet["run_dir"]) == (str(tmp_path / "ln"), str(tmp_path / "no-run-yet"))
+    assert len(ln_run["ids"]) == 2 and "ids" not in not_yet  # the offered elites are frozen into the run
     run_dir = tmp_path / "eng"
     proc = evo("run", str(eng_cfg), "--run-dir", str(run_dir), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -124,7 +124,7 @@ def test_a_missing_kernel_run_is_an_error_unless_optional(tmp_path):
 
 
 def test_relative_kernel_run_dirs_are_made_absolute():
-    args = EngineTask.absolute_paths({"kernels": {"gelu": {"run_dir": "runs/g"}, "softmax": {"run_dir": "/abs/s"}},
+    args = EngineTask.resolve_args({"kernels": {"gelu": {"run_dir": "runs/g"}, "softmax": {"run_dir": "/abs/s"}},
                                       "model_dir": "m"}, "/work/here")
     assert args["kernels"] == {"gelu": {"run_dir": "/work/here/runs/g"}, "softmax": {"run_dir": "/abs/s"}}
     assert args["model_dir"] == "/work/here/m"
