@@ -32,10 +32,10 @@ from archive import Candidate  # noqa: E402
 from evo.rundir import RunDir  # noqa: E402
 from genome import Genome  # noqa: E402
 from runtime import Task, TimingSettings  # noqa: E402
-from runtime.backends import compile_source, load_kernel  # noqa: E402
-from runtime.cascade import guarded_empty  # noqa: E402
+from runtime.backends.kernels import guarded_empty  # noqa: E402
 from runtime.settings import CompilerSettings  # noqa: E402
 from runtime.timing import pinned, time_interleaved  # noqa: E402
+from runtime.toolchain import compile_source, load_kernel  # noqa: E402
 
 
 def run_search(config: Path, run_dir: Path) -> float:

@@ -24,13 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from evo.rundir import RunDir  # noqa: E402
-from runtime.backends.cuda_device import open_device  # noqa: E402
-from runtime.backends.cuda_launch import arch_limits  # noqa: E402
-from runtime.backends.cuda_reference import gpu_reference  # noqa: E402
-from runtime.cuda_cascade import compile_candidate, launch_for  # noqa: E402
+from runtime.backends import WorkerContext  # noqa: E402
+from runtime.backends.cuda import CudaBackend, launch_for  # noqa: E402
 from runtime.settings import TimingSettings  # noqa: E402
 from runtime.task import load_task_class  # noqa: E402
 from runtime.timing import time_interleaved  # noqa: E402
+from runtime.toolchain.cuda_device import open_device  # noqa: E402
+from runtime.toolchain.cuda_launch import arch_limits  # noqa: E402
+from runtime.toolchain.cuda_reference import gpu_reference  # noqa: E402
 
 
 def main() -> None:
@@ -60,8 +61,10 @@ def main() -> None:
         task = config.task.model_copy(update={"args": {**config.task.args, "m": n, "n": n, "k": n}})
         t = load_task_class(task.name)(task.args)
         with tempfile.TemporaryDirectory() as cache:
-            built, metrics = compile_candidate(t, cand.genome, config.evaluation, arch=config.evaluation.cuda.arch
-                                               or dev.arch, cache_dir=cache)  # fmt: skip
+            cuda = config.evaluation.cuda.model_copy(update={"arch": config.evaluation.cuda.arch or dev.arch})
+            build = CudaBackend().compile(t, cand.genome, config.evaluation.model_copy(update={"cuda": cuda}),
+                                          WorkerContext(cache, None, None))
+            built, metrics = build.artifact.built, build.metrics
             kernel = dev.load(built.path, t.kernel_name)
             case = t.full_case()
             inputs = t.inputs(case, np.random.default_rng(0))

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from genome import Genome, ParamSpace
-from runtime import Case, Descriptor, Task, TaskArgs
+from runtime import Case, Descriptor, KernelTask, TaskArgs
 
 TEMPLATE = r"""
 #include <math.h>
@@ -59,7 +59,7 @@ class RMSNormArgs(TaskArgs):
     eps: float = 1e-6
 
 
-class RMSNorm(Task):
+class RMSNorm(KernelTask):
     name = "rmsnorm"
     unit = "GB/s"
     description = "Row-wise RMS normalisation with a learned scale, fp32."

@@ -1,5 +1,6 @@
-"""``evo check CONFIG``: compile (and, with a GPU, check) a config's seeds and a sample of its space
-before a long run; and the pre-flight that stops ``evo run`` on a CUDA config without a GPU."""
+"""``evo check CONFIG``: compile (and check) a config's seeds and a sample of its space before a long run,
+with the columns the task's backend reports (ptxas' figures for CUDA); and the pre-flight that stops
+``evo run`` on a machine that cannot evaluate the task (no compiler, a CUDA config without a GPU)."""
 
 from __future__ import annotations
 
@@ -17,27 +18,21 @@ from rich.table import Table
 from evo.config import RunConfig, load_config
 from evo.errors import UserError
 from genome import Genome
-from runtime import Task
+from runtime import BackendUnavailable, Task, backend_for
+from runtime.backends import Column
 
 __all__ = ["check", "require_backend"]
 
 
-def require_backend(config: RunConfig, config_path: Path | str) -> None:
-    """Raises :class:`UserError` (one line, with the fix) when this machine cannot evaluate the config's task."""
+def require_backend(config: RunConfig, config_path: Path | str, *, compile_only: bool = False) -> None:
+    """Raises :class:`UserError` (one line, with the fix) when this machine cannot evaluate (or, with
+    ``compile_only``, compile) the config's task."""
     task = config.make_task()
-    if task.backend != "cuda":
-        return
-    from runtime.backends.cuda import NvccNotFound, nvcc_version
-    from runtime.backends.cuda_device import CudaUnavailable, require_gpu
-
     try:
-        nvcc_version(config.evaluation.cuda.nvcc)
-        require_gpu()
-    except (NvccNotFound, CudaUnavailable) as exc:
-        raise UserError(
-            f"task {task.name!r} runs on an NVIDIA GPU, and this machine cannot: {exc}. "
-            f"Without a GPU, check that its kernels compile with: evo check {config_path} --compile-only"
-        ) from None
+        backend_for(task).preflight(task, config.evaluation, compile_only=compile_only)
+    except BackendUnavailable as exc:
+        hint = f". Its candidates can still be compiled here: evo check {config_path} --compile-only"
+        raise UserError(f"{exc}{hint if exc.compile_only else ''}") from None
 
 
 def _points(config: RunConfig, task: Task, n: int, seed: int) -> list[tuple[str, Genome]]:
@@ -56,28 +51,15 @@ def _points(config: RunConfig, task: Task, n: int, seed: int) -> list[tuple[str,
 
 def _compile_one(config: RunConfig, task: Task, genome: Genome, arch: str | None, cache: str) -> dict[str, Any]:
     """Compiles one point in this process (seeds and template points are ours, not untrusted code)."""
-    from runtime.cascade import Failure
-    from runtime.result import Status
+    from runtime.backends import Failure, WorkerContext
+    from runtime.toolchain.nvcc import DEFAULT_ARCH
 
+    cuda = config.evaluation.cuda
+    settings = config.evaluation.model_copy(update={"cuda": cuda.model_copy(update={"arch": arch or cuda.arch
+                                                                                     or DEFAULT_ARCH})})
     t0 = time.perf_counter()
     try:
-        if task.backend == "cuda":
-            from runtime.backends.cuda import DEFAULT_ARCH
-            from runtime.cuda_cascade import compile_candidate
-
-            _, metrics = compile_candidate(
-                task, genome, config.evaluation, arch=arch or config.evaluation.cuda.arch or DEFAULT_ARCH,
-                cache_dir=cache,
-            )  # fmt: skip
-        else:
-            from runtime.backends.c import CompileError, compile_source
-
-            try:
-                compile_source(task.render(genome), compiler=config.evaluation.compiler,
-                               extra_flags=task.compile_flags(), cache_dir=cache)  # fmt: skip
-            except CompileError as exc:
-                raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
-            metrics = {}
+        metrics = backend_for(task).compile(task, genome, settings, WorkerContext(cache, None, None)).metrics
         status, error = "ok", None
     except Failure as exc:
         status, error, metrics = str(exc.status), str(exc), {}
@@ -85,19 +67,21 @@ def _compile_one(config: RunConfig, task: Task, genome: Genome, arch: str | None
     return {"status": status, "error": error, "compile_s": round(time.perf_counter() - t0, 3), **metrics}
 
 
-def _table(rows: list[dict[str, Any]], title: str) -> Table:
+def _table(rows: list[dict[str, Any]], title: str, columns: tuple[Column, ...]) -> Table:
     table = Table(title=title)
-    cols = ("point", "status", "regs", "smem B", "spill B", "threads", "occupancy", "limited by", "compile s", "params")
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("point", "status", "limited by", "params") else "right")
+    table.add_column("point")
+    table.add_column("status")
+    for col in columns:
+        table.add_column(col.header, justify="right")
+    table.add_column("compile s", justify="right")
+    table.add_column("params")
     for r in rows:
-        occ = r.get("occupancy")
-        table.add_row(
-            r["point"], r["status"], str(r.get("registers", "-")), str(r.get("smem_bytes", "-")),
-            str(r.get("spill_bytes", "-")), str(r.get("threads_per_block", "-")),
-            f"{occ:.0%}" if occ is not None else "-", str(r.get("occupancy_limited_by", "-")), f"{r['compile_s']:.2f}",
-            " ".join(f"{k}={v}" for k, v in r["params"].items()),
-        )  # fmt: skip
+        cells = []
+        for col in columns:
+            v = r.get(col.metric)
+            cells.append("-" if v is None else f"{v:.0%}" if col.percent else str(v))
+        table.add_row(r["point"], r["status"], *cells, f"{r['compile_s']:.2f}",
+                      " ".join(f"{k}={v}" for k, v in r["params"].items()))  # fmt: skip
     return table
 
 
@@ -112,19 +96,13 @@ def check(config_path: Path, compile_only: bool, points: int, arch: str | None, 
     """Compile (and check) CONFIG's seeds and a sample of its space; report ptxas figures for CUDA tasks."""
     config = load_config(config_path)
     task = config.make_task()
-    if task.backend not in ("c", "cuda"):
-        raise UserError(f"evo check knows C and CUDA tasks; {task.name!r} is evaluated by backend {task.backend!r}")
+    require_backend(config, config_path, compile_only=compile_only)
     todo = _points(config, task, points, seed)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="evo-check-") as cache:
         if compile_only:
-            try:
-                for label, g in todo:
-                    rows.append({"point": label, **_compile_one(config, task, g, arch, cache), "params": g.params})
-            except Exception as exc:  # nvcc or cc missing: the user's environment
-                if type(exc).__name__ in ("NvccNotFound", "CompilerNotFound"):
-                    raise UserError(str(exc)) from None
-                raise
+            for label, g in todo:
+                rows.append({"point": label, **_compile_one(config, task, g, arch, cache), "params": g.params})
         else:
             rows = _check_in_pool(config, config_path, task, todo, cache)
     if as_json:
@@ -134,7 +112,8 @@ def check(config_path: Path, compile_only: bool, points: int, arch: str | None, 
         con = Console()
         if not con.is_terminal:  # piped: do not squeeze the table into 80 columns
             con = Console(width=220)
-        con.print(_table(rows, f"{config_path}: {task.name}, {len(rows)} points {what}"))
+        title = f"{config_path}: {task.name}, {len(rows)} points {what}"
+        con.print(_table(rows, title, backend_for(task).check_columns))
         for r in rows:
             if r["error"]:
                 click.echo(f"{r['point']}: {r['status']}: {r['error'].splitlines()[0][:200]}")
@@ -148,9 +127,8 @@ def _check_in_pool(
 ) -> list[dict[str, Any]]:
     """Compiles and checks each point for correctness in the sandboxed pool (no timing)."""
     from runtime import EvalRequest, LocalPool
-    from runtime.backends.c import CompilerNotFound
+    from runtime.toolchain.cc import CompilerNotFound
 
-    require_backend(config, config_path)
     sys_path = (str(Path(config_path).parent.resolve()),)
     rows = []
     with LocalPool(workers=1) as pool:

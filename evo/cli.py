@@ -59,7 +59,7 @@ def run(config_path: Path, run_dir: Path | None, resume: bool, **overrides: Any)
     """Run the search described by CONFIG (a YAML file)."""
     from evo.reporting import RichReporter
     from evo.search import Search
-    from runtime.backends.c import CompilerNotFound, compiler_version
+    from runtime.toolchain.cc import CompilerNotFound, compiler_version
 
     config = load_config(config_path)
     try:

@@ -2,12 +2,13 @@
 
 Timings on a shared machine drift by tens of percent between evaluations, so a challenger a few percent
 above the best may only have been timed in a quiet moment. When a result lands within
-``search.duel_margin`` above the best, the controller holds it back and asks a worker to time both
-kernels (or engines) interleaved, under the timing lock. The duel's ratio decides: a challenger faster
-side by side keeps its fitness and is crowned; one that is not gets the best's fitness times the ratio
-(below the best, where the side-by-side timing puts it); one that fails its re-check, or gets no verdict,
-is not crowned either (:func:`settle`). The candidate's result is recorded once, after the duel: a run
-killed mid-duel re-evaluates it on resume; one stopped by its budget records it capped at the best.
+``search.duel_margin`` above the best, and the task's backend offers duels, the controller holds it back
+and asks a worker to time both kernels (or engines) interleaved, under the timing lock. The duel's ratio
+decides: a challenger faster side by side keeps its fitness and is crowned; one that is not gets the
+best's fitness times the ratio (below the best, where the side-by-side timing puts it); one that fails
+its re-check, or gets no verdict, is not crowned either (:func:`settle`). The candidate's result is
+recorded once, after the duel: a run killed mid-duel re-evaluates it on resume; one stopped by its
+budget records it capped at the best.
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ from dataclasses import replace
 
 from runtime.result import EvalResult, Status
 
-__all__ = ["DUEL_BACKENDS", "settle", "wants_duel"]
-
-DUEL_BACKENDS = ("c", "engine")
-"""Backends whose evaluation can time two genomes side by side."""
+__all__ = ["settle", "wants_duel"]
 
 
 def wants_duel(result: EvalResult, best_fitness: float | None, margin: float) -> bool:

@@ -21,7 +21,7 @@ import numpy as np
 from archive import AddStatus, Candidate, Store
 from evo.budget import Budget
 from evo.config import RunConfig
-from evo.duel import DUEL_BACKENDS, settle, wants_duel
+from evo.duel import settle, wants_duel
 from evo.memory_link import MemoryLink
 from evo.operators import Operator, build_operators
 from evo.proposer import Proposer
@@ -29,7 +29,7 @@ from evo.reporting import Reporter, SilentReporter
 from evo.rundir import RunDir, build_archive
 from evo.selection import Curiosity
 from genome import Genome
-from runtime import EvalRequest, EvalResult, Executor, Status, Task
+from runtime import EvalRequest, EvalResult, Executor, Status, Task, backend_for
 
 __all__ = ["RunSummary", "Search"]
 
@@ -233,7 +233,7 @@ class Search:
             return
         best = self._best
         if (self._pool is not None and best is not None and best.id != request.key
-                and self.task.backend in DUEL_BACKENDS
+                and backend_for(self.task).supports("duel")
                 and wants_duel(result, best.fitness, self.config.search.duel_margin)):
             self._duels[request.key] = ((request, result), best)
             self._pool.submit(dataclasses.replace(request, stages="duel", rival=best.genome))

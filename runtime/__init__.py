@@ -1,15 +1,35 @@
-"""How a candidate is *run*: tasks, the C backend, the sandboxed worker pool, the cascade, timing."""
+"""How a candidate is *run*: tasks, backends, the sandboxed worker pool, the evaluation cascade, timing.
 
-from runtime.backends import CompileError, CompilerNotFound
+- :mod:`runtime.task`: :class:`Task` (what every task has) and :class:`KernelTask` (what kernel tasks add).
+- :mod:`runtime.backends`: one protocol, one module per kind of candidate (C, CUDA, engine), a registry.
+- :mod:`runtime.cascade`: the one skeleton every evaluation runs through, inside a sandboxed worker.
+- :mod:`runtime.pool` (:class:`LocalPool`), :mod:`runtime.sandbox`, :mod:`runtime._worker`: the workers.
+- :mod:`runtime.timing`: the one timing harness; :mod:`runtime.toolchain`: compilers and loaders.
+- :mod:`runtime.engine`: the embedded inference engine; :mod:`runtime.tasks`: the built-in kernel tasks.
+"""
+
+from runtime.backends import Backend, BackendUnavailable, UnsupportedStage, backend_for
 from runtime.executor import EvalRequest, Executor
 from runtime.hardware import fingerprint
 from runtime.pool import LocalPool
 from runtime.result import EvalResult, Status, TimingStats
 from runtime.settings import CompilerSettings, EvalSettings, SandboxSettings, TaskSpec, TimingSettings
-from runtime.task import BUILTIN_TASKS, Case, Descriptor, Task, TaskArgs, TaskLoadError, load_task_class
+from runtime.task import (
+    BUILTIN_TASKS,
+    Case,
+    Descriptor,
+    KernelTask,
+    Task,
+    TaskArgs,
+    TaskLoadError,
+    load_task_class,
+)
+from runtime.toolchain import CompileError, CompilerNotFound
 
 __all__ = [
     "BUILTIN_TASKS",
+    "Backend",
+    "BackendUnavailable",
     "Case",
     "CompileError",
     "CompilerNotFound",
@@ -19,6 +39,7 @@ __all__ = [
     "EvalResult",
     "EvalSettings",
     "Executor",
+    "KernelTask",
     "LocalPool",
     "SandboxSettings",
     "Status",
@@ -28,6 +49,8 @@ __all__ = [
     "TaskSpec",
     "TimingSettings",
     "TimingStats",
+    "UnsupportedStage",
+    "backend_for",
     "fingerprint",
     "load_task_class",
 ]

@@ -18,7 +18,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from genome import canonical_json
-from runtime.cascade import WorkerContext, evaluate
+from runtime.backends import WorkerContext, backend_for
+from runtime.cascade import evaluate
 from runtime.hardware import fingerprint
 from runtime.result import EvalResult, Status
 from runtime.sandbox import WorkerProfile, arm_cpu_limit, enter_sandbox
@@ -68,27 +69,6 @@ def _internal_error(ctx: WorkerContext | None) -> EvalResult:
     )
 
 
-def _prime(task: Task) -> None:
-    """Runs a task's Python paths once, so every module and file they read is loaded before the drop."""
-    if task.backend == "engine":  # loads its model, request texts and kernel sources itself
-        task.prime()  # type: ignore[attr-defined]
-        return
-    if task.backend == "cuda":  # opens the GPU context and loads the driver and reference libraries
-        task.prepare_worker()  # type: ignore[attr-defined]
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    for genome in task.seeds():
-        task.render(genome)
-    case = task.check_cases(rng)[0]
-    inputs = task.inputs(case, rng)
-    outputs = {name: np.empty(shape, dtype) for name, (shape, dtype) in task.outputs(case).items()}
-    task.reference(case, inputs, outputs)
-    task.kernel_args(case, {**inputs, **outputs})
-    task.tolerance(case)
-    task.work(case)
-
-
 def _prepare(init: dict[str, Any], tasks: _Tasks) -> WorkerContext:
     profile: WorkerProfile = init["profile"]
     _add_paths(profile.sys_path)
@@ -99,7 +79,8 @@ def _prepare(init: dict[str, Any], tasks: _Tasks) -> WorkerContext:
             pass
     for spec in profile.preload:
         try:
-            _prime(tasks.get(spec))
+            task = tasks.get(spec)
+            backend_for(task).prepare_worker(task)
         except Exception:  # noqa: BLE001 - reported when a request needs it
             traceback.print_exc()
     hardware = fingerprint(profile.cc)

@@ -1,6 +1,6 @@
-"""``CudaTask``: the base of tasks whose candidates are CUDA kernels (``backend = "cuda"``).
+"""``CudaTask``: the base of tasks whose candidates are CUDA kernels (evaluated by :mod:`runtime.backends.cuda`).
 
-A CUDA task is a :class:`runtime.task.Task` whose template is CUDA C++ with an ``extern "C"`` kernel,
+A CUDA task is a :class:`runtime.task.KernelTask` whose template is CUDA C++ with an ``extern "C"`` kernel,
 plus a :meth:`CudaTask.launch` that derives the launch configuration from a genome's params. Inputs,
 outputs, the reference, tolerances and work are host-side numpy, exactly as for a C task: the runtime
 copies arrays to the GPU (between guard zones), runs the kernel, copies back and compares on the host.
@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any, ClassVar
 
-from runtime.backends.cuda_launch import Launch, LaunchError
-from runtime.task import Case, Descriptor, Task
+from runtime.task import Case, Descriptor, KernelTask
+from runtime.toolchain.cuda_launch import Launch, LaunchError
 
 __all__ = ["CudaTask", "Launch", "LaunchError", "load_cuda_source", "need"]
 
@@ -38,26 +38,17 @@ def need(params: Mapping[str, Any], *names: str) -> list[int]:
     return values
 
 
-class CudaTask(Task):
+class CudaTask(KernelTask):
     """Base class of CUDA tasks: subclasses implement :meth:`launch` on top of the :class:`Task` methods."""
 
     backend: ClassVar[str] = "cuda"
     gpu_reference: ClassVar[str] = ""
     """The GPU library operation timed as the reference (``gemm``, ``softmax``; see
-    ``runtime.backends.cuda_reference``); empty: the host ``reference`` is timed instead."""
+    ``runtime.toolchain.cuda_reference``); empty: the host ``reference`` is timed instead."""
 
     @abc.abstractmethod
     def launch(self, params: Mapping[str, Any], case: Case) -> Launch:
         """Grid, block and dynamic shared memory for ``case``; raises :class:`LaunchError` on bad params."""
-
-    def prepare_worker(self) -> None:
-        """Opens the GPU (context, driver libraries) in the worker, before it drops privileges."""
-        from runtime.backends.cuda_device import open_device
-        from runtime.backends.cuda_reference import preload
-
-        open_device()
-        if self.gpu_reference:
-            preload(self.gpu_reference)
 
     def descriptors(self) -> dict[str, Descriptor]:
         """ptxas' and the occupancy estimate's figures (in every ok result's metrics) as descriptors."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from genome import Genome
+from runtime.backends.base import Stage
 from runtime.result import EvalResult
 from runtime.settings import EvalSettings, TaskSpec
 
@@ -26,13 +27,14 @@ class EvalRequest:
     settings: EvalSettings
     cache_dir: str  # compile cache (shared by the workers of a run)
     sys_path: tuple[str, ...] = field(default=())  # extra import paths for a user's task module
-    # how far the cascade goes: "compile" stops after compiling, "check" after the correctness checks
-    # (no timing, no lock), "full" times it too. Partial runs end ``ok`` without a fitness.
-    # "run" calls the kernel once on ``inputs`` for ``case`` (guarded, checked for integrity) and returns
-    # its outputs in ``EvalResult.outputs`` (what serving's kernel invoke uses). "duel" checks the genome
-    # again, then times it side by side with ``rival`` (the current best): ``metrics["duel_ratio"]`` is
-    # the rival's time over the genome's (> 1: the genome is faster).
-    stages: Literal["compile", "check", "full", "run", "duel"] = "full"
+    # how far the cascade goes (runtime.cascade): "compile" stops after building and loading, "check" after
+    # the correctness checks (no timing, no lock), "full" times it too. Partial runs end ``ok`` without a
+    # fitness. Two stages are optional, offered by the backends whose programs can (asking another backend
+    # is an UnsupportedStage error): "run" calls the candidate once on ``inputs`` for ``case`` (guarded,
+    # checked for integrity) and returns its outputs in ``EvalResult.outputs`` (serving's kernel invoke);
+    # "duel" checks the genome again, then times it side by side with ``rival`` (the current best):
+    # ``metrics["duel_ratio"]`` is the rival's time over the genome's (> 1: the genome is faster).
+    stages: Stage = "full"
     rival: Genome | None = None  # stages="duel" only
     case: Mapping[str, Any] | None = None  # stages="run" only
     inputs: Mapping[str, np.ndarray] | None = None  # stages="run" only: the case's inputs by name

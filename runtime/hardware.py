@@ -66,7 +66,7 @@ def _blas() -> dict[str, Any]:
 @functools.cache
 def fingerprint(cc: str = "cc") -> dict[str, Any]:
     """CPU model and flags, core counts, compiler, numpy and BLAS, OS; ``id`` hashes all of it."""
-    from runtime.backends.c import CompilerNotFound, compiler_version
+    from runtime.toolchain.cc import CompilerNotFound, compiler_version
 
     model, flags = _cpuinfo()
     try:

@@ -20,10 +20,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from runtime.backends.c import compiler_version
+from runtime.backends import Backend, backend_for
 from runtime.executor import EvalRequest
 from runtime.result import EvalResult, Status
 from runtime.sandbox import WorkerDied, WorkerProcess, WorkerProfile, WorkerTimeout
+from runtime.task import TaskLoadError, load_task_class
+from runtime.toolchain.cc import compiler_version
 
 __all__ = ["LocalPool", "PoolEvent"]
 
@@ -31,19 +33,19 @@ PoolEvent = Callable[[str, dict[str, Any]], None]
 """``on_event(kind, info)``: ``worker_started``, ``worker_timeout``, ``worker_died`` (called from pool threads)."""
 
 
-def _gpu(request: EvalRequest, slot: int) -> str | None:
-    """The GPU a CUDA task's worker in ``slot`` is pinned to (slots take the visible GPUs in turn)."""
-    from runtime.task import TaskLoadError, load_task_class
-
+def _backend(request: EvalRequest) -> Backend | None:
+    """The backend of the request's task; ``None`` when the task cannot be loaded here (the worker reports it,
+    with the request)."""
     try:
-        if load_task_class(request.task.name).backend != "cuda":
-            return None
-    except TaskLoadError:  # the worker reports it, with the request
+        return backend_for(load_task_class(request.task.name))
+    except TaskLoadError:
         return None
-    from runtime.backends.cuda_device import visible_gpus
 
-    gpus = visible_gpus()
-    return gpus[slot % len(gpus)] if gpus else None
+
+def _gpu(request: EvalRequest, slot: int) -> str | None:
+    """The GPU the worker in ``slot`` sees (the backend decides; ``None`` for CPU backends)."""
+    backend = _backend(request)
+    return backend.worker_gpu(slot) if backend is not None else None
 
 
 def _profile(request: EvalRequest, slot: int = 0) -> WorkerProfile:
@@ -87,10 +89,14 @@ class LocalPool:
     # --- Executor -------------------------------------------------------------------------------
 
     def submit(self, request: EvalRequest) -> None:
-        """Queues ``request``. Raises CompilerNotFound here, in the controller, if the compiler is missing."""
+        """Queues ``request``. Raises here, in the controller: CompilerNotFound if the compiler is missing,
+        UnsupportedStage if the task's backend does not offer the requested stage."""
         if self._closed:
             raise RuntimeError("the pool is closed")
         compiler_version(request.settings.compiler.cc)
+        backend = _backend(request)
+        if backend is not None:
+            backend.require(request.stages)
         with self._lock:
             self._in_flight += 1
         self._requests.put(request)

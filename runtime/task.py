@@ -1,9 +1,17 @@
-"""The task interface: what to compute, how to check it, how to measure it, and what may vary.
+"""The task interface: what a candidate is, how it may vary, and how it is checked and measured.
 
-A task is a Python class. Built-in tasks are named (``matmul``, ``softmax``); a user's task is
-referenced as ``module:Class`` and only has to subclass :class:`Task`. The runtime calls a task's
-methods inside sandboxed workers, the search calls them in the controller, so a task must be
-importable from both (the run's config directory is put on ``sys.path`` for that).
+A task is a Python class. Built-in tasks are named (``matmul``, ``engine``); a user's task is referenced
+as ``module:Class``. The runtime calls a task's methods inside sandboxed workers, the search calls them
+in the controller, so a task must be importable from both (the run's config directory is put on
+``sys.path`` for that).
+
+Two levels:
+
+- :class:`Task`: what every task has (name, unit, arguments, parameter space, seeds, how a genome is
+  shown, descriptors) and the name of the backend that evaluates it (:mod:`runtime.backends`).
+- :class:`KernelTask`: what kernel tasks add: a source template, problem cases, inputs and outputs, a
+  reference implementation, tolerances, the kernel's arguments and a work measure. A user's C kernel
+  task subclasses this (a CUDA one subclasses :class:`runtime.cuda_task.CudaTask`).
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from genome import Genome, ParamSpace, render_source
 
-__all__ = ["BUILTIN_TASKS", "Case", "Descriptor", "Task", "TaskArgs", "TaskLoadError", "load_task_class"]
+__all__ = [
+    "BUILTIN_TASKS", "Case", "Descriptor", "KernelTask", "Task", "TaskArgs", "TaskLoadError", "load_task_class",
+]
 
 Case = dict[str, int]
 """The sizes of one problem instance, e.g. ``{"m": 1024, "n": 1024, "k": 1024}``."""
@@ -45,19 +55,19 @@ class Descriptor:
 
 
 class Task(abc.ABC):
-    """Base class of every task. Subclasses set the class attributes and implement the abstract methods."""
+    """Base class of every task: subclasses set the class attributes and implement :meth:`space`,
+    :meth:`seeds` and :meth:`render`. How a candidate is evaluated is the backend's business."""
 
     name: ClassVar[str]
     """Short name, used in run summaries and the memory of discoveries."""
     unit: ClassVar[str]
-    """Unit of the fitness, e.g. ``GFLOP/s``; fitness = ``work(case) / seconds``."""
+    """Unit of the fitness (higher is better), e.g. ``GFLOP/s`` or ``sentences/s``."""
     description: ClassVar[str] = ""
     signature: ClassVar[str]
-    """The C prototype every candidate must define, e.g. ``void kernel(int n, const float *x, float *y)``."""
-    kernel_name: ClassVar[str] = "kernel"
-    backend: ClassVar[str] = "c"
-    """How candidates are evaluated: ``c`` (the C cascade), ``cuda`` (runtime.cuda_cascade, on a GPU; see
-    runtime.cuda_task.CudaTask) or ``engine`` (runtime.engine, under load)."""
+    """What every candidate must provide, e.g. the C prototype ``void kernel(int n, const float *x, float *y)``."""
+    backend: ClassVar[str]
+    """The backend that evaluates this task's candidates: a name from :data:`runtime.backends.BACKENDS`
+    (``c``, ``cuda``, ``engine``) or ``module:Class`` of a :class:`runtime.backends.Backend`."""
     Args: ClassVar[type[TaskArgs]] = TaskArgs
 
     def __init__(self, args: Mapping[str, Any] | None = None) -> None:
@@ -74,7 +84,7 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def space(self) -> ParamSpace:
-        """The parameter space of the template."""
+        """The parameter space of the genome."""
 
     def complete_space(self, space: ParamSpace) -> ParamSpace:
         """``space`` (a config's ``space:``) with the parameters only the task can know added, such as choices
@@ -82,12 +92,39 @@ class Task(abc.ABC):
         return space
 
     @abc.abstractmethod
-    def template(self) -> str:
-        """C source of the parametric kernel; parameters arrive as ``#define``s (see genome.render_defines)."""
-
-    @abc.abstractmethod
     def seeds(self) -> list[Genome]:
         """Starting genomes, e.g. a naive kernel (a code genome) and a known-good template point."""
+
+    @abc.abstractmethod
+    def render(self, genome: Genome) -> str:
+        """What ``genome`` is, as text: the source a backend builds, and what ``evo archive show`` and
+        ``export`` print. Raises (any exception) for a genome the task cannot render."""
+
+    def descriptors(self) -> dict[str, Descriptor]:
+        """Descriptors this task offers; the config picks which ones span the archive."""
+        return {
+            "source_lines": Descriptor(
+                "source_lines",
+                "lines of the rendered source (how much code the candidate is)",
+                lambda g, m: float(self.render(g).count("\n") + 1),
+                0.0,
+                400.0,
+            ),
+        }
+
+
+class KernelTask(Task):
+    """Base class of kernel tasks: a parametric source, checked against a reference on fresh inputs and
+    timed side by side with it. Candidates are C kernels (backend ``c``) unless a subclass says otherwise."""
+
+    kernel_name: ClassVar[str] = "kernel"
+    backend: ClassVar[str] = "c"
+
+    # --- what may vary --------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def template(self) -> str:
+        """C source of the parametric kernel; parameters arrive as ``#define``s (see genome.render_defines)."""
 
     def compile_flags(self) -> list[str]:
         """Flags this task adds to the configured ones (e.g. ``-fopenmp`` when ``threads > 1``)."""
@@ -131,19 +168,7 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def work(self, case: Case) -> float:
-        """Work of one call in the numerator of ``unit`` (e.g. GFLOP for GFLOP/s)."""
-
-    def descriptors(self) -> dict[str, Descriptor]:
-        """Descriptors this task offers; the config picks which ones span the archive."""
-        return {
-            "source_lines": Descriptor(
-                "source_lines",
-                "lines of the rendered source (how much code the kernel is)",
-                lambda g, m: float(self.render(g).count("\n") + 1),
-                0.0,
-                400.0,
-            ),
-        }
+        """Work of one call in the numerator of ``unit`` (e.g. GFLOP for GFLOP/s); fitness = work / seconds."""
 
 
 class TaskLoadError(ValueError):
@@ -176,5 +201,8 @@ def load_task_class(ref: str) -> type[Task]:
         raise TaskLoadError(f"cannot import module {module_name!r} for task {ref!r}: {exc}") from None
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
-        raise TaskLoadError(f"{target!r} is not a subclass of runtime.Task")
+        raise TaskLoadError(f"{target!r} is not a task: subclass runtime.KernelTask (a kernel) or runtime.Task")
+    if not isinstance(getattr(cls, "backend", None), str):
+        raise TaskLoadError(f"{target!r} names no backend: subclass runtime.KernelTask for a C kernel task, "
+                            "or set the class attribute `backend`")
     return cls

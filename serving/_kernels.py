@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from runtime.backends import backend_for
 from runtime.executor import EvalRequest
 from runtime.pool import LocalPool
 from runtime.settings import EvalSettings, TaskSpec
-from runtime.task import Task, load_task_class
+from runtime.task import KernelTask, load_task_class
 from serving._errors import APIError
 from serving._runs import ID_PATTERN, candidate, open_store, stored_config
 
@@ -34,15 +35,16 @@ def _jsonable(a: np.ndarray) -> Any:
 
 
 class KernelInvoker:
-    """Invokes the C kernel elites of one run; one call at a time, in one reused sandboxed worker."""
+    """Invokes the kernel elites of one run (its backend must offer stage ``run``); one call at a time, in one
+    reused sandboxed worker."""
 
     def __init__(self, run_dir: Path, *, max_elements: int = 1 << 18, timeout_s: float = 30.0) -> None:
         self.run_dir, self.max_elements, self.timeout_s = run_dir, max_elements, timeout_s
         self._pool: LocalPool | None = None
         self._lock = threading.Lock()
-        self._task: tuple[TaskSpec, Task, EvalSettings, tuple[str, ...]] | None = None
+        self._task: tuple[TaskSpec, KernelTask, EvalSettings, tuple[str, ...]] | None = None
 
-    def _load(self) -> tuple[TaskSpec, Task, EvalSettings, tuple[str, ...]]:
+    def _load(self) -> tuple[TaskSpec, KernelTask, EvalSettings, tuple[str, ...]]:
         if self._task is None:
             cfg = stored_config(self.run_dir)
             with open_store(self.run_dir) as store:
@@ -57,7 +59,7 @@ class KernelInvoker:
                           sys_path)
         return self._task
 
-    def _case(self, task: Task, case: dict[str, Any] | None) -> dict[str, int]:
+    def _case(self, task: KernelTask, case: dict[str, Any] | None) -> dict[str, int]:
         want = task.full_case()
         case = dict(case or {})
         if set(case) != set(want):
@@ -69,7 +71,7 @@ class KernelInvoker:
             raise APIError(400, f"case {case} is too large for this endpoint", param="case", code="too_large")
         return case
 
-    def _inputs(self, task: Task, case: dict[str, int], given: dict[str, Any]) -> dict[str, np.ndarray]:
+    def _inputs(self, task: KernelTask, case: dict[str, int], given: dict[str, Any]) -> dict[str, np.ndarray]:
         spec = task.inputs(case, np.random.default_rng(0))
         if set(given) != set(spec):
             raise APIError(400, f"inputs must be exactly {sorted(spec)} for the {task.name} task", param="inputs")
@@ -95,9 +97,9 @@ class KernelInvoker:
         if not ID_PATTERN.match(cid):
             raise APIError(400, f"{cid!r} is not a candidate id (hex)", param="id")
         spec, task, settings, sys_path = self._load()
-        if task.backend != "c":
-            raise APIError(400, f"the {task.name} task's candidates are not C kernels: nothing to invoke",
-                           code="not_a_kernel")
+        if not backend_for(task).supports("run"):
+            raise APIError(400, f"the {task.name} task's candidates cannot be invoked on given inputs "
+                           f"(its {task.backend} backend does not run them one call at a time)", code="not_a_kernel")
         with open_store(self.run_dir) as store:
             cand = candidate(store, cid)
         if str(cand.status) != "ok":

@@ -15,7 +15,7 @@ from typing import Any
 
 from archive import AddStatus, Candidate, Store
 from evo.llm.diff import Rejected, apply_edits, extract_code, extract_json, parse_edits, splice_blocks
-from evo.llm.prompt import PromptBook, render_prompt
+from evo.llm.prompt import PromptBook, base_source, render_prompt
 from evo.llm.session import Draft, LLMSession
 from evo.operators import Proposal, ProposalContext
 from genome import Genome, ParamSpace
@@ -48,7 +48,7 @@ class LLMOperator:
         return self.session.available()
 
     def parent_source(self, parent: Candidate, task: Task) -> str:
-        return parent.source if parent.source is not None else task.template()
+        return base_source(parent, task)
 
     def read(self, text: str, parent: Candidate, ctx: ProposalContext) -> Genome:
         """The child an answer describes, or :class:`Rejected`."""

@@ -17,9 +17,9 @@ from typing import Any
 from archive import Candidate
 from evo.errors import UserError
 from evo.llm.settings import PromptSettings
-from runtime import Task
+from runtime import KernelTask, Task
 
-__all__ = ["PromptBook", "candidate_section", "render_prompt", "shorten"]
+__all__ = ["PromptBook", "base_source", "candidate_section", "render_prompt", "shorten"]
 
 KINDS = ("system", "diff", "rewrite", "params", "agentic")
 _ERROR_CHARS = 1500
@@ -55,15 +55,23 @@ def shorten(text: str, limit: int = _ERROR_CHARS) -> str:
 
 
 def task_section(task: Task) -> str:
-    case = task.full_case()
-    return (
-        f"## Task: {task.name}\n{task.description or task.name}\n"
-        f"Signature (keep it): `{task.signature}`\n"
-        f"Timed case: {json.dumps(case)}. Fitness is {task.unit}, higher is better; vs_reference is the "
-        f"reference implementation's time over the kernel's, timed side by side (> 1: faster than it).\n"
+    head = f"## Task: {task.name}\n{task.description or task.name}\nSignature (keep it): `{task.signature}`\n"
+    if not isinstance(task, KernelTask):
+        return head + f"Fitness is {task.unit}, higher is better; vs_reference is over the default configuration's."
+    return head + (
+        f"Timed case: {json.dumps(task.full_case())}. Fitness is {task.unit}, higher is better; vs_reference is "
+        f"the reference implementation's time over the kernel's, timed side by side (> 1: faster than it).\n"
         "Parameters reach the source as `#define NAME value` lines before it (a string value also defines "
         "NAME_<VALUE> 1)."
     )
+
+
+def base_source(c: Candidate, task: Task) -> str:
+    """The source a candidate's code is edited from: its own, else its task's template (a kernel task), else
+    its rendering (e.g. an engine configuration)."""
+    if c.source is not None:
+        return c.source
+    return task.template() if isinstance(task, KernelTask) else task.render(c.genome)
 
 
 def hardware_section(fingerprint: Mapping[str, Any]) -> str:
@@ -95,7 +103,7 @@ def candidate_section(c: Candidate, task: Task, *, title: str, with_source: bool
     if c.params:
         lines.append(f"Params: {json.dumps(c.params)}")
     if with_source:
-        lines.append(f"Source:\n```c\n{c.source if c.source is not None else task.template()}\n```")
+        lines.append(f"Source:\n```c\n{base_source(c, task)}\n```")
     return "\n".join(lines)
 
 

@@ -1,271 +1,187 @@
-"""The C backend: compile rendered source to a shared library (cached by content), load it with ctypes.
+"""The C backend: a candidate is C source, compiled by the system compiler, loaded with ctypes, called on
+guarded numpy buffers and timed against the task's numpy reference on a pinned core.
 
-The cache key is sha256(source, flags, compiler version), so the same candidate compiled with the same
-compiler is never compiled twice, by any worker. Workers compile in parallel: each writes to a private
-temporary file and renames it into the cache, so a reader never sees a half-written library.
+This is the example to copy for a new backend: a :class:`Backend` with ``compile`` and ``load``, and a
+:class:`Program` whose methods are the cascade's stages (see :mod:`runtime.backends.base`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
-import functools
-import hashlib
-import os
-import shutil
-import signal
-import subprocess
-import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from runtime.settings import CompilerSettings
+from genome import Genome
+from runtime.backends.base import (
+    Backend,
+    BackendUnavailable,
+    Build,
+    Duels,
+    Failure,
+    Measurement,
+    Outputs,
+    Program,
+    RunsGivenInputs,
+    WorkerContext,
+)
+from runtime.backends.kernels import CallClock, Instance, compare, fresh_rng, timing_metrics
+from runtime.result import Status
+from runtime.settings import EvalSettings
+from runtime.task import Case, KernelTask
+from runtime.timing import pinned, time_interleaved
+from runtime.toolchain.cc import CKernel, CompileError, CompilerNotFound, compile_source, compiler_version, load_kernel
 
-__all__ = [
-    "CKernel",
-    "CompileError",
-    "CompileResult",
-    "CompilerNotFound",
-    "cache_key",
-    "compile_source",
-    "compiler_version",
-    "load_kernel",
-]
-
-_STDERR_LIMIT = 4000  # characters of compiler output kept in a CompileError
-
-
-class CompilerNotFound(RuntimeError):
-    """The configured C compiler cannot be run."""
-
-    def __init__(self, cc: str, detail: str = "") -> None:
-        self.cc = cc
-        extra = f" ({detail})" if detail else ""
-        super().__init__(
-            f"C compiler {cc!r} not found{extra}: install gcc (e.g. `apt-get install gcc`) "
-            "or set evaluation.compiler.cc in the config"
-        )
+__all__ = ["CBackend", "CProgram", "compile_kernel", "prime_kernel_task"]
 
 
-class CompileError(RuntimeError):
-    """The compiler rejected the source; ``stderr`` holds its (trimmed) message."""
-
-    def __init__(self, stderr: str) -> None:
-        self.stderr = _trim(stderr)
-        super().__init__(self.stderr)
-
-
-def _trim(text: str, limit: int = _STDERR_LIMIT) -> str:
-    text = text.strip()
-    if len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]}\n... [{len(text) - limit} characters cut] ...\n{text[-half:]}"
-
-
-@functools.cache
-def compiler_version(cc: str) -> str:
-    """First line of ``cc --version`` (cached per process); raises :class:`CompilerNotFound`."""
+def compile_kernel(task: KernelTask, genome: Genome, settings: EvalSettings, ctx: WorkerContext) -> Build:
+    """Renders ``genome`` and compiles it into the cache; the build's artifact is the shared library's path."""
     try:
-        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False)
-    except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
-        raise CompilerNotFound(cc, exc.strerror or "") from None
-    except subprocess.TimeoutExpired:
-        raise CompilerNotFound(cc, "`--version` did not answer in 30 s") from None
-    if out.returncode != 0:
-        raise CompilerNotFound(cc, f"`{cc} --version` exited with {out.returncode}")
-    lines = (out.stdout or out.stderr).strip().splitlines()
-    return lines[0] if lines else cc
-
-
-def cache_key(source: str, flags: Sequence[str], version: str) -> str:
-    """sha256 of (source, flags, compiler version): the name of the cached library."""
-    h = hashlib.sha256()
-    for part in (version, "\0".join(flags), source):
-        h.update(part.encode())
-        h.update(b"\0\1\0")
-    return h.hexdigest()
-
-
-@dataclass(frozen=True)
-class CompileResult:
-    path: str  # the shared library in the cache
-    cached: bool  # True when no compiler ran
-    seconds: float  # wall time spent compiling (0 for a cache hit)
-
-
-def compile_source(
-    source: str,
-    *,
-    compiler: CompilerSettings,
-    extra_flags: Sequence[str] = (),
-    cache_dir: str,
-    work_dir: str | None = None,
-) -> CompileResult:
-    """Compiles ``source`` into ``cache_dir/<key>.so`` unless it is there already.
-
-    ``work_dir`` holds the compiler's input and output before the atomic rename into the cache.
-    Raises :class:`CompileError` (with the compiler's message) or :class:`CompilerNotFound`.
-    """
-    flags = [*compiler.flags, *extra_flags, "-shared", "-fPIC"]
-    key = cache_key(source, flags, compiler_version(compiler.cc))
-    final = os.path.join(cache_dir, f"{key}.so")
-    if os.path.exists(final):
-        return CompileResult(final, True, 0.0)
-    t0 = time.perf_counter()
-    tmp = tempfile.mkdtemp(prefix="cc-", dir=work_dir)
+        source = task.render(genome)
+    except Exception as exc:  # noqa: BLE001 - a bad genome, not a worker bug
+        raise Failure(Status.INVALID, f"cannot render the genome: {exc}") from None
     try:
-        src, out = os.path.join(tmp, "kernel.c"), os.path.join(tmp, "kernel.so")
-        with open(src, "w") as f:
-            f.write(source)
-        # Relative names keep temporary paths out of error messages; diagnostics flags change no code.
-        quiet = ["-fdiagnostics-color=never", "-fno-diagnostics-show-caret"]
-        _run_compiler([compiler.cc, *flags, *quiet, "-o", "kernel.so", "kernel.c"], compiler, cwd=tmp)
-        _publish(out, final, cache_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return CompileResult(final, False, time.perf_counter() - t0)
+        built = compile_source(source, compiler=settings.compiler, extra_flags=task.compile_flags(),
+                               cache_dir=ctx.cache_dir, work_dir=ctx.work_dir)  # fmt: skip
+    except CompileError as exc:
+        raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
+    return Build(genome, built.path, built.seconds, {"compile_cached": built.cached})
 
 
-def run_tool(
-    cmd: list[str],
-    *,
-    cwd: str,
-    timeout: float,
-    not_found: Callable[[str], Exception],
-    env: dict[str, str] | None = None,
-) -> tuple[int, str]:
-    """Runs a compiler (cc, nvcc) in ``cwd``: ``(exit code, output)``. Past ``timeout`` its whole process
-    tree is killed (CompileError); a missing executable raises ``not_found(reason)``."""
-    try:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    except (FileNotFoundError, PermissionError) as exc:
-        raise not_found(exc.strerror or "") from None
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
-        proc.communicate()
-        raise CompileError(f"{os.path.basename(cmd[0])} did not finish within {timeout:g} s") from None
-    return proc.returncode, output
+def prime_kernel_task(task: KernelTask) -> None:
+    """Runs a kernel task's Python paths once (render, inputs, reference, arguments), so every module and
+    file they read is loaded before the worker drops privileges."""
+    rng = np.random.default_rng(0)
+    for genome in task.seeds():
+        task.render(genome)
+    case = task.check_cases(rng)[0]
+    inputs = task.inputs(case, rng)
+    outputs = {name: np.empty(shape, dtype) for name, (shape, dtype) in task.outputs(case).items()}
+    task.reference(case, inputs, outputs)
+    task.kernel_args(case, {**inputs, **outputs})
+    task.tolerance(case)
+    task.work(case)
 
 
-def _run_compiler(cmd: list[str], compiler: CompilerSettings, cwd: str) -> None:
-    code, output = run_tool(cmd, cwd=cwd, timeout=compiler.timeout,
-                            not_found=lambda why: CompilerNotFound(compiler.cc, why))
-    if code != 0:
-        raise CompileError(output or f"{compiler.cc} exited with {code}")
+def _prepared(task: KernelTask, clock: CallClock, case: Case, given: Mapping[str, np.ndarray] | None = None,
+              ) -> Instance:
+    """Fresh inputs for ``case`` (or ``given``) in guarded buffers, with the reference's outputs."""
+    inst = Instance.fresh(task, case, given)
+    inst.guard(task)
+    inst.expect(task, clock)
+    return inst
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILLs ``pid`` and its descendants (cc1, as, ld), which share the worker's process group."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    todo, tree = [pid], []
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    for p in tree:
+class CProgram(Program, RunsGivenInputs, Duels):
+    """A loaded C kernel and the task it is checked against."""
+
+    def __init__(self, task: KernelTask, kernel: CKernel, settings: EvalSettings, ctx: WorkerContext) -> None:
+        self.task, self.kernel, self.settings, self.ctx = task, kernel, settings, ctx
+        self.clock = CallClock()
+        self._full: Instance | None = None  # the full case of the last check: what is timed
+
+    @property
+    def calls_s(self) -> float:  # type: ignore[override]
+        return self.clock.calls
+
+    def _call(self, inst: Instance) -> None:
+        call = self.kernel.bind(self.task.kernel_args(inst.case, inst.arrays))
+        inst.poison()
+        self.clock.run(call)
+        inst.verify_integrity()
+
+    def _check_case(self, case: Case) -> Instance:
+        inst = _prepared(self.task, self.clock, case)
+        self._call(inst)
+        compare(self.task, inst)
+        return inst
+
+    def check(self, trials: int) -> dict[str, Any]:
+        for _ in range(trials):
+            for case in self.task.check_cases(fresh_rng()[1]):
+                self._check_case(case)
+        self._full = self._check_case(self.task.full_case())
+        return {}
+
+    def time(self) -> Measurement:
+        task, inst, timing = self.task, self._full, self.settings.timing
+        assert inst is not None, "time() follows check()"
+        t0 = time.perf_counter()
+        call = self.kernel.bind(task.kernel_args(inst.case, inst.arrays))
+        ref_out = {name: np.empty_like(a) for name, a in inst.expected.items()}
+
+        def reference() -> None:
+            task.reference(inst.case, inst.inputs, ref_out)
+
+        with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads) as cores:  # type: ignore[union-attr]
+            run = time_interleaved(call, reference, timing, before=inst.poison, after=inst.verify_written)
+        self.clock.calls += run.call_seconds
+        spent = time.perf_counter() - t0 - waited
+        inst.verify_integrity()
+        compare(task, inst)  # the last timed call's output must be right too
+        fitness, metrics = timing_metrics(run, task.work(inst.case))
+        return Measurement(fitness, {**metrics, "cores": sorted(cores)}, {"lock_wait_s": waited, "time_s": spent})
+
+    def confirm(self) -> None:
+        self._check_case(self.task.full_case())
+
+    def run(self, case: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> tuple[Outputs, str | None]:
+        inst = _prepared(self.task, self.clock, dict(case), given=inputs)
+        self._call(inst)
         try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            compare(self.task, inst)
+            mismatch = None
+        except Failure as exc:
+            mismatch = str(exc)
+        return {name: inst.arrays[name].copy() for name in inst.outputs}, mismatch
 
-
-def _publish(built: str, final: str, cache_dir: str) -> None:
-    """Moves ``built`` to ``final`` atomically, copying first when they are on different filesystems."""
-    try:
-        os.replace(built, final)
-        return
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-    fd, staging = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=cache_dir)
-    try:
-        with os.fdopen(fd, "wb") as dst, open(built, "rb") as src:
-            shutil.copyfileobj(src, dst)
-        os.replace(staging, final)
-    except BaseException:
-        if os.path.exists(staging):
-            os.unlink(staging)
-        raise
-
-
-_LIBGOMP: ctypes.CDLL | None = None
-
-
-def _hold_libgomp() -> None:
-    """Keeps libgomp loaded for the life of the process: OpenMP's pooled threads outlive every parallel
-    region, and if the last kernel using OpenMP took libgomp with it when unloaded, the process would
-    crash at exit running unmapped code."""
-    global _LIBGOMP
-    if _LIBGOMP is None:
-        _LIBGOMP = ctypes.CDLL(ctypes.util.find_library("gomp") or "libgomp.so.1", mode=ctypes.RTLD_GLOBAL)
-
-
-class CKernel:
-    """A kernel function loaded from a shared library; call :meth:`bind` once per argument list."""
-
-    def __init__(self, path: str, name: str) -> None:
-        self.path = path
-        with open(path, "rb") as f:
-            self.openmp = b"libgomp" in f.read()  # linked against GNU OpenMP
-        if self.openmp:
-            _hold_libgomp()
-        self._lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
-        try:
-            self._fn = getattr(self._lib, name)
-        except AttributeError:
-            self.close()
-            raise CompileError(f"the library defines no function {name!r}") from None
-        self._fn.restype = None
-
-    def bind(self, args: Sequence[Any]) -> Callable[[], None]:
-        """A zero-argument callable running the kernel on ``args`` (ints, floats, numpy arrays).
-
-        Conversion happens here, once, so the callable is as cheap as a ctypes call can be.
-        """
-        types: list[type] = []
-        values: list[Any] = []
-        for a in args:
-            if isinstance(a, np.ndarray):
-                if not a.flags.c_contiguous:
-                    raise TypeError("kernel array arguments must be C-contiguous")
-                types.append(ctypes.c_void_p)
-                values.append(ctypes.c_void_p(a.ctypes.data))
-            elif isinstance(a, (bool, int, np.integer)):
-                types.append(ctypes.c_int)
-                values.append(ctypes.c_int(int(a)))
-            elif isinstance(a, (float, np.floating)):
-                types.append(ctypes.c_float)
-                values.append(ctypes.c_float(float(a)))
-            else:
-                raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
-        self._fn.argtypes = types
-        fn = self._fn
-        return functools.partial(fn, *values)
+    def duel(self, rival: Program) -> Measurement:
+        assert isinstance(rival, CProgram)
+        task, timing = self.task, self.settings.timing
+        full_case = task.full_case()
+        mine = self._check_case(full_case)
+        theirs = _prepared(task, self.clock, full_case, given=mine.inputs)
+        call = self.kernel.bind(task.kernel_args(full_case, mine.arrays))
+        rival_call = rival.kernel.bind(task.kernel_args(full_case, theirs.arrays))
+        t0 = time.perf_counter()
+        with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads):  # type: ignore[union-attr]
+            run = time_interleaved(call, rival_call, timing, before=mine.poison, after=mine.verify_written)
+        spent = time.perf_counter() - t0 - waited
+        self.clock.calls += run.call_seconds
+        mine.verify_integrity()
+        compare(task, mine)
+        median = max(run.candidate.median, 1e-12)
+        metrics = {"duel_ratio": run.reference.median / median, "time_median_s": median,
+                   "rival_time_median_s": run.reference.median, "n_repeats": run.candidate.n}  # fmt: skip
+        return Measurement(task.work(full_case) / median, metrics, {"lock_wait_s": waited, "time_s": spent})
 
     def close(self) -> None:
-        """Unloads the library (the long-lived worker would otherwise accumulate every candidate)."""
-        lib, self._lib = self._lib, None
-        if lib is not None:
-            import _ctypes
-
-            _ctypes.dlclose(lib._handle)
+        self.kernel.close()
 
 
-def load_kernel(path: str, name: str) -> CKernel:
-    return CKernel(path, name)
+class CBackend(Backend[KernelTask]):
+    """C kernels through the system compiler (``evaluation.compiler``)."""
+
+    name = "c"
+    program = CProgram
+
+    def preflight(self, task: KernelTask, settings: EvalSettings, *, compile_only: bool = False) -> None:
+        try:
+            compiler_version(settings.compiler.cc)
+        except CompilerNotFound as exc:
+            raise BackendUnavailable(str(exc)) from None
+
+    def prepare_worker(self, task: KernelTask) -> None:
+        prime_kernel_task(task)
+
+    def compile(self, task: KernelTask, genome: Genome, settings: EvalSettings, ctx: WorkerContext) -> Build:
+        return compile_kernel(task, genome, settings, ctx)
+
+    def load(self, task: KernelTask, build: Build, settings: EvalSettings, ctx: WorkerContext) -> CProgram:
+        try:
+            kernel = load_kernel(build.artifact, task.kernel_name)
+        except CompileError as exc:  # e.g. the library defines no such function
+            raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
+        return CProgram(task, kernel, settings, ctx)

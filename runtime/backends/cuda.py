@@ -1,208 +1,293 @@
-"""The CUDA backend's compile step: nvcc -> cubin (cached by content), with ptxas' resource report.
+"""The CUDA backend: a candidate is CUDA C++ compiled by nvcc to a cubin, launched through pycuda on guarded
+device buffers, and timed with CUDA events against the GPU reference (cuBLAS, torch) under this GPU's lock.
 
-This module needs nvcc only, never pycuda or a GPU, so compile-only checks run anywhere the CUDA
-toolkit is installed. Loading and running a cubin is :mod:`runtime.backends.cuda_device` (pycuda).
-
-The cache key is the C backend's: sha256(source, flags, compiler version). Next to each cached
-``<key>.cubin`` sits ``<key>.json``, ptxas' report, so a cache hit still has its registers and spills.
-Both are published with the C backend's atomic rename (report first), so a reader never sees half.
+The same statuses and integrity rules as the C backend, on the GPU: every device buffer sits between guard
+zones, outputs are poisoned (NaN) before each call, inputs must come back unchanged, and outputs are
+compared on the host with the task's tolerances. A launch the genome makes impossible (too many
+threads, too much shared memory) is ``invalid`` before anything runs. A kernel that faults leaves the
+context unusable: the worker reports the error and exits, and the pool starts a fresh worker (with a
+fresh context). The optional stages ``run`` and ``duel`` are not offered.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import hashlib
 import json
 import os
-import re
-import shutil
-import subprocess
-import tempfile
+import sys
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from runtime.backends.c import CompileError, CompilerNotFound, _publish, cache_key, run_tool
-from runtime.settings import CudaSettings
+import numpy as np
 
-__all__ = [
-    "CudaCompileResult",
-    "NvccNotFound",
-    "PtxasInfo",
-    "compile_cuda",
-    "nvcc_flags",
-    "nvcc_version",
-    "parse_ptxas",
-    "resolve_nvcc",
-]
+from genome import Genome
+from runtime.backends.base import (
+    Backend,
+    BackendUnavailable,
+    Build,
+    Column,
+    Failure,
+    Measurement,
+    Program,
+    WorkerContext,
+)
+from runtime.backends.c import prime_kernel_task
+from runtime.backends.kernels import GUARD_BYTES, SENTINEL, CallClock, Instance, compare, fresh_rng, timing_metrics
+from runtime.cuda_task import CudaTask
+from runtime.result import Status
+from runtime.settings import EvalSettings
+from runtime.task import Case
+from runtime.timing import time_interleaved
+from runtime.toolchain.cc import CompileError
+from runtime.toolchain.cuda_device import (
+    CudaUnavailable,
+    Device,
+    DeviceBuffer,
+    Kernel,
+    host_time,
+    is_sticky,
+    open_device,
+)
+from runtime.toolchain.cuda_launch import ArchLimits, Launch, LaunchError, arch_limits, occupancy, validate_launch
+from runtime.toolchain.cuda_reference import gpu_reference
+from runtime.toolchain.nvcc import CudaCompileResult, NvccNotFound, PtxasInfo, compile_cuda, nvcc_version
 
-DEFAULT_ARCH = "sm_80"  # without a GPU to ask (compile-only checks): Ampere, the oldest arch the templates target
+__all__ = ["CudaBackend", "CudaProgram", "launch_for"]
+
+_FAULT_EXIT = 70  # the worker's exit code after a kernel fault (the pool reports it as a crash)
 
 
-class NvccNotFound(CompilerNotFound):
-    """nvcc (the CUDA toolkit) cannot be run."""
-
-    def __init__(self, nvcc: str, detail: str = "") -> None:
-        self.cc = nvcc
-        extra = f" ({detail})" if detail else ""
-        RuntimeError.__init__(
-            self,
-            f"nvcc {nvcc!r} not found{extra}: install the CUDA toolkit, put its bin/ on PATH "
-            "or set evaluation.cuda.nvcc in the config",
-        )
-
-
-def resolve_nvcc(nvcc: str) -> str:
-    """The nvcc to run: ``nvcc`` as given when it is a path or on PATH, else under $CUDA_HOME or /usr/local/cuda."""
-    if os.sep in nvcc or shutil.which(nvcc):
-        return nvcc
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and os.access(os.path.join(root, "bin", nvcc), os.X_OK):
-            return os.path.join(root, "bin", nvcc)
-    return nvcc
-
-
-@functools.cache
-def nvcc_version(nvcc: str) -> str:
-    """nvcc's version line (``Build cuda_13.0.r13.0/...``), cached per process; raises :class:`NvccNotFound`."""
-    path = resolve_nvcc(nvcc)
+def launch_for(task: CudaTask, params: Mapping[str, Any], case: Case, limits: ArchLimits, info: PtxasInfo) -> Launch:
+    """The task's launch for ``case``, validated against ``limits``; an unrunnable one is ``invalid``."""
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60, check=False)
-    except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
-        raise NvccNotFound(nvcc, exc.strerror or "") from None
-    except subprocess.TimeoutExpired:
-        raise NvccNotFound(nvcc, "`--version` did not answer in 60 s") from None
-    lines = out.stdout.strip().splitlines()
-    if out.returncode != 0 or not lines:
-        raise NvccNotFound(nvcc, f"`{path} --version` exited with {out.returncode}")
-    return lines[-1]  # the first line names the driver, the last the exact build
+        launch = task.launch(params, case)
+        validate_launch(launch, limits, registers=info.registers, static_smem=info.smem_bytes)
+    except LaunchError as exc:
+        raise Failure(Status.INVALID, f"invalid launch for case {case}: {exc}") from None
+    return launch
 
 
 @dataclass(frozen=True)
-class PtxasInfo:
-    """ptxas' report for the kernel: what limits occupancy, and whether registers spill."""
+class _Cubin:
+    """A CUDA build's artifact: the cubin with ptxas' report, and the target it was built for."""
 
+    built: CudaCompileResult
     arch: str
-    registers: int
-    smem_bytes: int  # static shared memory per block
-    stack_bytes: int
-    spill_store_bytes: int
-    spill_load_bytes: int
-    cmem_bytes: int = 0
+
+
+def _is_driver_error(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("pycuda")
+
+
+@contextlib.contextmanager
+def _on_the_gpu() -> Iterator[None]:
+    """Driver errors while the candidate runs: a lost context ends the worker; a refused launch is ``invalid``."""
+    try:
+        yield
+    except Exception as exc:
+        if not _is_driver_error(exc):
+            raise
+        if is_sticky(exc):  # the context is lost: report, and let the pool start a fresh worker
+            print(f"evoforge: kernel fault, the CUDA context is lost: {exc}", file=sys.stderr, flush=True)
+            os._exit(_FAULT_EXIT)
+        raise Failure(Status.INVALID, f"the GPU refused the launch: {exc}") from None
+
+
+class CudaProgram(Program):
+    """A loaded cubin on the device, and the buffers of the case being checked or timed."""
+
+    def __init__(self, task: CudaTask, dev: Device, kernel: Kernel, build: Build, settings: EvalSettings) -> None:
+        self.task, self.dev, self.kernel, self.settings = task, dev, kernel, settings
+        self.params = build.genome.params
+        cubin: _Cubin = build.artifact
+        self.limits, self.info = arch_limits(cubin.arch), cubin.built.info
+        self.clock = CallClock()
+        self.buffers: dict[str, DeviceBuffer] = {}
+        self._full: tuple[Instance, Callable[[], None]] | None = None
 
     @property
-    def spill_bytes(self) -> int:
-        return self.spill_store_bytes + self.spill_load_bytes
+    def calls_s(self) -> float:  # type: ignore[override]
+        return self.clock.calls
 
-    def metrics(self) -> dict[str, Any]:
-        """The figures as result metrics (usable as descriptors)."""
-        return {
-            "registers": self.registers,
-            "smem_static_bytes": self.smem_bytes,
-            "stack_bytes": self.stack_bytes,
-            "spill_bytes": self.spill_bytes,
-            "arch": self.arch,
+    def _free(self) -> None:
+        for b in self.buffers.values():
+            b.free()
+        self.buffers = {}
+
+    def _check_case(self, case: Case) -> tuple[Instance, Callable[[], None]]:
+        """Runs the kernel once on fresh inputs for ``case``; raises :class:`Failure` if it broke a rule."""
+        self._free()
+        task, dev = self.task, self.dev
+        inst = Instance.fresh(task, case)
+        for name in inst.outputs:
+            exp = inst.expected[name]
+            self.buffers[name] = dev.buffer(exp.shape, exp.dtype, guard=GUARD_BYTES, sentinel=SENTINEL)
+        for name, arr in inst.inputs.items():
+            self.buffers[name] = dev.buffer(arr.shape, arr.dtype, guard=GUARD_BYTES, sentinel=SENTINEL)
+            self.buffers[name].upload(arr)
+        inst.expect(task, self.clock)
+        launch = launch_for(task, self.params, case, self.limits, self.info)
+        call = self.kernel.bind(launch, task.kernel_args(case, self.buffers))
+        self._poison(inst)
+        self.clock.run(lambda: (call(), dev.synchronize()))
+        self._verify(inst)
+        return inst, call
+
+    def _poison(self, inst: Instance) -> None:
+        for name in inst.outputs:
+            self.buffers[name].poison()
+
+    def _verify(self, inst: Instance) -> None:
+        """Guard zones intact, inputs unchanged, outputs right (downloaded into ``inst.arrays``)."""
+        for name, buf in self.buffers.items():
+            if not buf.guards_intact():
+                raise Failure(
+                    Status.INVALID, f"wrote out of bounds of {name!r} (guard zone overwritten), case {inst.case}"
+                )
+        for name, original in inst.inputs.items():
+            if not np.array_equal(self.buffers[name].download().view(np.uint8), original.view(np.uint8)):
+                raise Failure(Status.INVALID, f"modified its inputs ({name!r}), case {inst.case}")
+        for name in inst.outputs:
+            inst.arrays[name] = self.buffers[name].download()
+        compare(self.task, inst)
+
+    def check(self, trials: int) -> dict[str, Any]:
+        with _on_the_gpu():
+            for _ in range(trials):
+                for small in self.task.check_cases(fresh_rng()[1]):
+                    self._check_case(small)
+            self._full = self._check_case(self.task.full_case())
+        return {}
+
+    def time(self) -> Measurement:
+        assert self._full is not None, "time() follows check()"
+        with _on_the_gpu():
+            return self._time(*self._full)
+
+    def _time(self, inst: Instance, call: Callable[[], None]) -> Measurement:
+        task, dev, settings, case = self.task, self.dev, self.settings, inst.case
+        t0 = time.perf_counter()
+        inputs = {k: self.buffers[k] for k in inst.inputs}
+        ref_out = {
+            k: dev.buffer(b.shape, b.dtype, guard=0, sentinel=0) for k, b in self.buffers.items() if k in inst.outputs
         }
+        self.buffers.update({f"_ref_{k}": b for k, b in ref_out.items()})  # freed with the others
+        found = gpu_reference(task.gpu_reference, case, inputs, ref_out) if task.gpu_reference else None
+        host_out = {k: np.empty_like(v) for k, v in inst.expected.items()}
+        ref_call, impl = found or ((lambda: task.reference(case, inst.inputs, host_out)), "numpy (host)")
+
+        def timer(fn: Callable[[], object]) -> float:
+            if found is None and fn is ref_call:
+                return host_time(fn)
+            return dev.time_call(fn, l2_flush=settings.cuda.l2_flush)
+
+        with dev.lock(settings.timing.lock_file).held() as waited:
+            timed = time_interleaved(call, ref_call, settings.timing, before=lambda: self._poison(inst), timer=timer)
+        self.clock.calls += timed.call_seconds
+        spent = time.perf_counter() - t0 - waited
+        for k in ref_out:
+            del self.buffers[f"_ref_{k}"]
+            ref_out[k].free()
+        self._verify(inst)  # the last timed call's output must be right too
+        fitness, metrics = timing_metrics(timed, task.work(case))
+        metrics.update(reference_impl=impl, l2_flush=settings.cuda.l2_flush)
+        return Measurement(fitness, metrics, {"lock_wait_s": waited, "time_s": spent})
+
+    def confirm(self) -> None:
+        with _on_the_gpu():
+            self._check_case(self.task.full_case())
+
+    def close(self) -> None:
+        self._free()
 
 
-_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")
-_PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers")
-_SMEM = re.compile(r"(\d+) bytes smem")
-_CMEM = re.compile(r"(\d+) bytes cmem\[0\]")
+class CudaBackend(Backend[CudaTask]):
+    """CUDA kernels through nvcc and pycuda, one GPU per worker."""
 
+    name = "cuda"
+    program = CudaProgram
+    check_columns = (
+        Column("registers", "regs"), Column("smem_bytes", "smem B"), Column("spill_bytes", "spill B"),
+        Column("threads_per_block", "threads"), Column("occupancy", "occupancy", percent=True),
+        Column("occupancy_limited_by", "limited by"),
+    )  # fmt: skip
 
-def parse_ptxas(text: str, kernel: str) -> PtxasInfo:
-    """Figures for entry ``kernel`` from ``nvcc -Xptxas -v`` output; ``ValueError`` when it is not there."""
-    blocks: dict[str, dict[str, Any]] = {}
-    current: dict[str, Any] | None = None
-    for line in text.splitlines():
-        if m := _ENTRY.search(line):
-            current = blocks.setdefault(m.group(1), {"arch": m.group(2)})
-        elif current is None:
-            continue
-        elif m := _PROPS.search(line):
-            current.update(stack=int(m.group(1)), st=int(m.group(2)), ld=int(m.group(3)))
-        elif m := _USED.search(line):
-            current["registers"] = int(m.group(1))
-            current["smem"] = int(s.group(1)) if (s := _SMEM.search(line)) else 0
-            current["cmem"] = int(c.group(1)) if (c := _CMEM.search(line)) else 0
-            current = None  # the "Used" line closes an entry's report
-    found = blocks.get(kernel)
-    if found is None or "registers" not in found:
-        names = ", ".join(sorted(blocks)) or "none"
-        raise ValueError(f'ptxas reported no entry function {kernel!r} (found: {names}); is it extern "C"?')
-    return PtxasInfo(
-        arch=found["arch"],
-        registers=found["registers"],
-        smem_bytes=found["smem"],
-        stack_bytes=found.get("stack", 0),
-        spill_store_bytes=found.get("st", 0),
-        spill_load_bytes=found.get("ld", 0),
-        cmem_bytes=found["cmem"],
-    )
+    def preflight(self, task: CudaTask, settings: EvalSettings, *, compile_only: bool = False) -> None:
+        from runtime.toolchain.cuda_device import require_gpu
 
-
-@dataclass(frozen=True)
-class CudaCompileResult:
-    path: str  # the cubin in the cache
-    info: PtxasInfo
-    cached: bool
-    seconds: float
-
-
-def nvcc_flags(settings: CudaSettings, arch: str, extra_flags: Sequence[str] = ()) -> list[str]:
-    """The whole nvcc command line but for files: target, optimisation, the task's defines, -Xptxas -v."""
-    if not re.fullmatch(r"sm_\d+[a-z]?", arch):
-        raise ValueError(f"invalid CUDA architecture {arch!r}: use e.g. sm_80 or sm_90")
-    fast = ["--use_fast_math"] if settings.fast_math else []
-    return ["-cubin", f"-arch={arch}", *settings.flags, *fast, *extra_flags, "-Xptxas", "-v"]
-
-
-def compile_cuda(
-    source: str,
-    *,
-    settings: CudaSettings,
-    arch: str,
-    kernel: str,
-    extra_flags: Sequence[str] = (),
-    cache_dir: str,
-    work_dir: str | None = None,
-) -> CudaCompileResult:
-    """Compiles ``source`` to ``cache_dir/<key>.cubin`` (and its report) unless cached.
-
-    Raises :class:`CompileError` (nvcc's message, or ptxas naming no ``kernel``) or :class:`NvccNotFound`.
-    """
-    flags = nvcc_flags(settings, arch, extra_flags)
-    key = cache_key(source, flags, nvcc_version(settings.nvcc))
-    final, report = os.path.join(cache_dir, f"{key}.cubin"), os.path.join(cache_dir, f"{key}.json")
-    if os.path.exists(final) and os.path.exists(report):
-        with open(report) as f:
-            return CudaCompileResult(final, PtxasInfo(**json.load(f)), True, 0.0)
-    t0 = time.perf_counter()
-    tmp = tempfile.mkdtemp(prefix="nvcc-", dir=work_dir)
-    try:
-        with open(os.path.join(tmp, "kernel.cu"), "w") as f:
-            f.write(source)
-        output = _run_nvcc([resolve_nvcc(settings.nvcc), *flags, "-o", "kernel.cubin", "kernel.cu"], settings, tmp)
         try:
-            info = parse_ptxas(output, kernel)
-        except ValueError as exc:
-            raise CompileError(str(exc)) from None
-        with open(os.path.join(tmp, "kernel.json"), "w") as f:
-            json.dump(asdict(info), f)
-        _publish(os.path.join(tmp, "kernel.json"), report, cache_dir)
-        _publish(os.path.join(tmp, "kernel.cubin"), final, cache_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return CudaCompileResult(final, info, False, time.perf_counter() - t0)
+            nvcc_version(settings.cuda.nvcc)
+            if not compile_only:
+                require_gpu()
+        except (NvccNotFound, CudaUnavailable) as exc:
+            where = "compiles with nvcc" if compile_only else "runs on an NVIDIA GPU"
+            raise BackendUnavailable(f"task {task.name!r} {where}, and this machine cannot: {exc}",
+                                     compile_only=isinstance(exc, CudaUnavailable)) from None
 
+    def worker_gpu(self, slot: int) -> str | None:
+        """Slots take the visible GPUs in turn."""
+        from runtime.toolchain.cuda_device import visible_gpus
 
-def _run_nvcc(cmd: list[str], settings: CudaSettings, cwd: str) -> str:
-    """Runs nvcc in ``cwd`` (its own temporaries go there too); returns its output (ptxas' report)."""
-    code, output = run_tool(cmd, cwd=cwd, timeout=settings.timeout, env={**os.environ, "TMPDIR": cwd},
-                            not_found=lambda why: NvccNotFound(settings.nvcc, why))
-    if code != 0:
-        kept = [ln for ln in output.splitlines() if not ln.startswith("ptxas info")]  # the errors, not the report
-        raise CompileError("\n".join(kept) or f"nvcc exited with {code}")
-    return output
+        gpus = visible_gpus()
+        return gpus[slot % len(gpus)] if gpus else None
+
+    def prepare_worker(self, task: CudaTask) -> None:
+        """Opens the GPU (context, driver libraries) and loads the reference library, then the task's paths."""
+        from runtime.toolchain.cuda_reference import preload
+
+        open_device()
+        if task.gpu_reference:
+            preload(task.gpu_reference)
+        prime_kernel_task(task)
+
+    def _device(self) -> Device:
+        try:
+            return open_device()
+        except CudaUnavailable as exc:
+            raise Failure(Status.INVALID, f"no usable GPU in the worker: {exc}") from None
+
+    def hardware(self, task: CudaTask, ctx: WorkerContext) -> dict[str, Any] | None:
+        """The worker's fingerprint with the GPU's own figures."""
+        info = {k: v for k, v in (ctx.hardware or {}).items() if k != "id"}
+        info.update(self._device().info())
+        info["id"] = hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return info
+
+    def compile(self, task: CudaTask, genome: Genome, settings: EvalSettings, ctx: WorkerContext) -> Build:
+        """Render, nvcc, and the full case's launch checked against the target (``evaluation.cuda.arch``,
+        else this worker's GPU); the build's metrics are ptxas' figures and the occupancy estimate."""
+        arch = settings.cuda.arch or self._device().arch
+        try:
+            source = task.render(genome)
+        except Exception as exc:  # noqa: BLE001 - a bad genome, not a worker bug
+            raise Failure(Status.INVALID, f"cannot render the genome: {exc}") from None
+        try:
+            built = compile_cuda(source, settings=settings.cuda, arch=arch, kernel=task.kernel_name,
+                                 extra_flags=task.compile_flags(), cache_dir=ctx.cache_dir,
+                                 work_dir=ctx.work_dir)  # fmt: skip
+        except CompileError as exc:
+            raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
+        limits = arch_limits(arch)
+        launch = launch_for(task, genome.params, task.full_case(), limits, built.info)
+        smem = built.info.smem_bytes + launch.shared_bytes
+        occ = occupancy(limits, launch.threads, built.info.registers, smem)
+        metrics = {"compile_cached": built.cached, **built.info.metrics(), "threads_per_block": launch.threads,
+                   "smem_bytes": smem, "occupancy": occ.occupancy, "occupancy_limited_by": occ.limited_by}  # fmt: skip
+        return Build(genome, _Cubin(built, arch), built.seconds, metrics)
+
+    def load(self, task: CudaTask, build: Build, settings: EvalSettings, ctx: WorkerContext) -> CudaProgram:
+        dev = self._device()
+        cubin: _Cubin = build.artifact
+        try:
+            kernel = dev.load(cubin.built.path, task.kernel_name)
+        except CompileError as exc:
+            raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
+        except Exception as exc:
+            if not _is_driver_error(exc):  # e.g. a cubin built for another arch than this GPU's
+                raise
+            raise Failure(Status.COMPILE_ERROR, f"the driver cannot load the cubin ({cubin.arch}): "
+                          f"{exc}") from None
+        return CudaProgram(task, dev, kernel, build, settings)

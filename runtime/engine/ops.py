@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.backends.c import CKernel
+from runtime.toolchain.cc import CKernel
 
 __all__ = ["SLOT_TASKS", "SLOTS", "Ops", "c_slot", "numpy_ops"]
 

@@ -16,10 +16,10 @@ from urllib.parse import quote
 import yaml
 
 from genome import Genome
-from runtime.backends.c import compile_source, load_kernel
 from runtime.engine.ops import SLOT_TASKS, Ops, c_slot
 from runtime.settings import CompilerSettings, TaskSpec
 from runtime.task import load_task_class
+from runtime.toolchain.cc import compile_source, load_kernel
 
 __all__ = ["KernelSource", "RunNotFound", "StoredCandidate", "StoredRun", "build_ops"]
 
@@ -111,7 +111,7 @@ def build_ops(
 ) -> Ops:
     """An operator table with the given slots filled by compiled kernels (the rest numpy).
 
-    Raises :class:`runtime.backends.CompileError` when a kernel does not compile.
+    Raises :class:`runtime.toolchain.CompileError` when a kernel does not compile.
     """
     ops = Ops()
     try:

@@ -5,7 +5,7 @@ a kernel per slot) is built into an :class:`Engine`, checked against the fp32 nu
 cosine over the load's texts must reach ``similarity_floor``), then driven by ``concurrency``
 closed-loop clients. Fitness is the throughput; a candidate whose p99 latency exceeds
 ``p99_budget_ms`` ends ``ok`` with its figures and ``over_budget: true`` but no fitness, so it is
-stored and never an elite. See :mod:`runtime.engine.evaluate` for the evaluation itself.
+stored and never an elite. The evaluation itself is :mod:`runtime.backends.engine`'s.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from runtime.engine.model import Model, Precision
 from runtime.engine.ops import SLOTS, numpy_ops
 from runtime.engine.runs import KernelSource, RunNotFound, StoredRun, build_ops
 from runtime.settings import CompilerSettings
-from runtime.task import Case, Descriptor, Task, TaskArgs
+from runtime.task import Descriptor, Task, TaskArgs
 
 __all__ = ["EngineArgs", "EngineTask", "KernelRun"]
 
@@ -83,11 +83,7 @@ _CHECK_TEXTS = 32
 
 
 class EngineTask(Task):
-    """Evolves an :class:`EngineConfig` for the bundled MiniLM encoder under load (``backend = "engine"``).
-
-    The C-kernel methods of :class:`Task` (template, cases, inputs, reference) do not apply: the
-    engine backend never calls them.
-    """
+    """Evolves an :class:`EngineConfig` for the bundled MiniLM encoder under load (the ``engine`` backend)."""
 
     name = "engine"
     unit = "sentences/s"
@@ -105,8 +101,6 @@ class EngineTask(Task):
         self._reference: np.ndarray | None = None
         self._sources: dict[tuple[str, str], KernelSource] = {}
         self._runs: dict[tuple[str, str], str] = {}  # (slot, offered id) -> its kernel run
-        self.reference_load: Any = None  # runtime.engine.load.LoadResult of the default engine
-        self.reference_at = 0.0  # time.monotonic() when it was measured
 
     @classmethod
     def resolve_args(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
@@ -214,31 +208,16 @@ class EngineTask(Task):
         cfg = self.engine_config(genome).model_dump(mode="json")
         return f"# engine configuration ({self.name} task)\n" + yaml.safe_dump(cfg, sort_keys=False)
 
-    def template(self) -> str:
-        return ""
-
     # --- building and measuring (in the worker) -------------------------------------------------
 
     def prime(self) -> None:
         """Loads the model, the request texts, the fp32 reference embeddings and the kernel sources
-        (the worker calls this before dropping privileges: later it may not read these files)."""
-        from runtime.engine import evaluate, load  # noqa: F401 - imported while files are readable
-
+        (a worker calls this before dropping privileges: later it may not read these files)."""
         self.model()
         self._reference_embeddings()
         for slot, ids in self.kernel_choices().items():
             for cid in ids:
                 self._kernel_source(slot, cid)
-        import threadpoolctl  # noqa: F401
-
-        # one round trip through a process worker imports what forking and the child's loop need
-        from runtime.engine.workers import ProcessWorkers
-
-        workers = ProcessWorkers(_lengths, 1)
-        try:
-            workers([np.zeros(3, np.int32)])
-        finally:
-            workers.close()
 
     def share_model(self, model: Model) -> None:
         """Uses already loaded fp32 weights instead of loading them again."""
@@ -293,30 +272,6 @@ class EngineTask(Task):
         got = engine.embed(self.texts()[:_CHECK_TEXTS])
         return float(np.min(np.sum(got * self._reference_embeddings(), axis=1)))
 
-    # --- the parts of Task that describe C kernels ----------------------------------------------
-
-    def full_case(self) -> Case:
-        return {"concurrency": self.args.concurrency}
-
-    def check_cases(self, rng: np.random.Generator) -> list[Case]:
-        return []
-
-    def inputs(self, case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        raise NotImplementedError("the engine task is evaluated by runtime.engine, not the C cascade")
-
-    def outputs(self, case: Case) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        raise NotImplementedError("the engine task is evaluated by runtime.engine, not the C cascade")
-
-    def reference(self, case: Case, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
-        raise NotImplementedError("the engine task is evaluated by runtime.engine, not the C cascade")
-
-    def kernel_args(self, case: Case, arrays: Mapping[str, np.ndarray]) -> list[Any]:
-        raise NotImplementedError("the engine task is evaluated by runtime.engine, not the C cascade")
-
-    def work(self, case: Case) -> float:
-        """One sentence per request: fitness is sentences/s."""
-        return 1.0
-
     def descriptors(self) -> dict[str, Descriptor]:
         budget = self.args.p99_budget_ms
         return {
@@ -339,10 +294,6 @@ def _frozen(kr: dict[str, Any]) -> dict[str, Any]:
     except (RunNotFound, TypeError, ValueError):
         return kr
     return {**kr, "ids": ids} if ids else kr
-
-
-def _lengths(seqs: list[np.ndarray]) -> np.ndarray:
-    return np.array([len(s) for s in seqs], np.float32)
 
 
 def request_texts(model: Model, lengths: Mapping[int, float], n: int, seed: int) -> list[str]:

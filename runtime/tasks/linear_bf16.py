@@ -14,7 +14,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param
-from runtime.task import Case, Descriptor, Task, TaskArgs
+from runtime.task import Case, Descriptor, KernelTask, TaskArgs
 from runtime.tasks._common import load_c_source
 
 __all__ = ["MINILM_SHAPES", "LinearBf16", "bf16_bits", "bf16_round", "pack_bf16", "unpack_bf16"]
@@ -65,7 +65,7 @@ class LinearBf16Args(TaskArgs):
         return self
 
 
-class LinearBf16(Task):
+class LinearBf16(KernelTask):
     """bf16 GEMM + bias; the template is either a vdpbf16ps register tile (AVX512) or AMX tiles.
 
     Its elites are the engine's bf16 linear layer (``runtime.engine``).

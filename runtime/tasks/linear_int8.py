@@ -29,7 +29,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param
-from runtime.task import Case, Descriptor, Task, TaskArgs
+from runtime.task import Case, Descriptor, KernelTask, TaskArgs
 from runtime.tasks._common import load_c_source
 from runtime.tasks.linear_bf16 import MINILM_SHAPES
 
@@ -105,7 +105,7 @@ class LinearInt8Args(TaskArgs):
         return self
 
 
-class LinearInt8(Task):
+class LinearInt8(KernelTask):
     """Dynamic-quantisation int8 GEMM + bias; the template is either a vpdpbusd register tile (AVX512_VNNI)
     or AMX tdpbusd tiles, after quantising each row of x once per call."""
 

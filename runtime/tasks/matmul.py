@@ -9,7 +9,7 @@ import numpy as np
 from pydantic import Field
 
 from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param
-from runtime.task import Case, Descriptor, Task, TaskArgs
+from runtime.task import Case, Descriptor, KernelTask, TaskArgs
 from runtime.tasks._common import load_c_source, vector_width
 
 __all__ = ["Matmul"]
@@ -26,7 +26,7 @@ class MatmulArgs(TaskArgs):
     k: int = Field(1024, ge=1, description="columns of A, rows of B")
 
 
-class Matmul(Task):
+class Matmul(KernelTask):
     """fp32 GEMM; the template is a packed, cache-blocked GEMM with a register-tiled vector micro-kernel."""
 
     name = "matmul"

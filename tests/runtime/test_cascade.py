@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from runtime_helpers import CORRECT, VECADD, kernel, make_settings, request
 
-from runtime.cascade import GUARD_BYTES, WorkerContext, evaluate, guarded_empty
+from runtime.backends.kernels import GUARD_BYTES, guarded_empty
+from runtime.cascade import WorkerContext, evaluate
 from runtime.result import Status
 from runtime.task import load_task_class
 from runtime.timing import TimingLock
@@ -115,7 +116,7 @@ def test_partial_cascades_stop_early_without_fitness(workdir, task, ctx, stages,
     assert evaluate(wrong, task, ctx).status is (Status.OK if stages == "compile" else Status.WRONG)
 
 
-SLOW = "for (int r = 0; r < 8; r++) for (int i = 0; i < n; i++) y[i] = a * x[i] + b;"
+SLOW = "for (int r = 0; r < 64; r++) for (int i = 0; i < n; i++) y[i] = a * x[i] + b;"
 
 
 def test_a_duel_times_the_genome_side_by_side_with_its_rival(workdir, task, ctx):

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from genome import EVOLVE_END, EVOLVE_START, Genome, evolve_blocks
-from runtime.backends import CKernel, compile_source, load_kernel
 from runtime.settings import CompilerSettings
 from runtime.task import Case, load_task_class
 from runtime.tasks.linear_bf16 import (
@@ -21,6 +20,7 @@ from runtime.tasks.linear_bf16 import (
     pack_bf16,
     unpack_bf16,
 )
+from runtime.toolchain import CKernel, compile_source, load_kernel
 
 HAS_AMX = "amx_bf16" in Path("/proc/cpuinfo").read_text()
 AVX512 = {"ISA": "AVX512", "KU": 1, "AMX_MT": 1, "AMX_NT": 1, "AMX_PANEL": 32}

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from genome import EVOLVE_END, EVOLVE_START, Genome, evolve_blocks
-from runtime.backends import CKernel, compile_source, load_kernel
 from runtime.settings import CompilerSettings
 from runtime.task import Case, load_task_class
 from runtime.tasks.linear_bf16 import MINILM_SHAPES
 from runtime.tasks.linear_int8 import LinearInt8, int8_linear_reference, pack_int8, quantize_rows, unpack_int8
+from runtime.toolchain import CKernel, compile_source, load_kernel
 
 HAS_AMX = "amx_int8" in Path("/proc/cpuinfo").read_text()
 VNNI = {"ISA": "VNNI", "KU": 1, "AMX_MT": 1, "AMX_NT": 1, "PANEL": 32}

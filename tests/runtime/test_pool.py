@@ -9,10 +9,10 @@ import time
 import pytest
 from runtime_helpers import CORRECT, kernel, make_settings, request, run
 
-from runtime.backends import CompilerNotFound
 from runtime.pool import LocalPool
 from runtime.result import Status
 from runtime.settings import EvalSettings, TaskSpec
+from runtime.toolchain import CompilerNotFound
 
 
 def test_correct_kernel_is_ok(pool, workdir):

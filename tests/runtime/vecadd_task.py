@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from genome import Genome, ParamSpace
-from runtime.task import Case, Task, TaskArgs
+from runtime.task import Case, KernelTask, TaskArgs
 
 A, B = 1.5, -0.25
 
@@ -35,7 +35,7 @@ class VecAddArgs(TaskArgs):
     n: int = 4096
 
 
-class VecAdd(Task):
+class VecAdd(KernelTask):
     name = "vecadd"
     unit = "GB/s"
     description = "y = a*x + b, elementwise, fp32"

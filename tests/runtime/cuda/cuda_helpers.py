@@ -19,7 +19,7 @@ def ptxas_report(name: str) -> str:
 @functools.cache
 def nvcc_missing() -> str | None:
     """Why nvcc cannot run here, or None."""
-    from runtime.backends.cuda import NvccNotFound, nvcc_version
+    from runtime.toolchain.nvcc import NvccNotFound, nvcc_version
 
     try:
         nvcc_version("nvcc")
@@ -31,7 +31,7 @@ def nvcc_missing() -> str | None:
 @functools.cache
 def gpu_missing() -> str | None:
     """Why no GPU test can run here (no driver, no GPU, no pycuda, no nvcc), or None."""
-    from runtime.backends.cuda_device import CudaUnavailable, require_gpu
+    from runtime.toolchain.cuda_device import CudaUnavailable, require_gpu
 
     try:
         require_gpu()

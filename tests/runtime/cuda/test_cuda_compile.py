@@ -9,10 +9,10 @@ import pytest
 from cuda_helpers import needs_nvcc
 
 from genome import Genome
-from runtime.backends.c import CompileError
-from runtime.backends.cuda import CudaSettings, compile_cuda
 from runtime.tasks.matmul_cuda import MatmulCuda
 from runtime.tasks.softmax_cuda import SoftmaxCuda
+from runtime.toolchain.cc import CompileError
+from runtime.toolchain.nvcc import CudaSettings, compile_cuda
 
 pytestmark = needs_nvcc
 

@@ -8,11 +8,8 @@ from cuda_helpers import ptxas_report
 
 from evo.config import load_config
 from genome import Genome, evolve_blocks
-from runtime.backends.cuda import CudaSettings, nvcc_flags, parse_ptxas
-from runtime.backends.cuda_device import visible_gpus
-from runtime.backends.cuda_launch import Launch, LaunchError, arch_limits, occupancy, validate_launch
+from runtime.backends.cuda import launch_for
 from runtime.cascade import Failure
-from runtime.cuda_cascade import launch_for
 from runtime.result import Status
 from runtime.sandbox import scrubbed_env
 from runtime.settings import TimingSettings
@@ -20,6 +17,9 @@ from runtime.task import load_task_class
 from runtime.tasks.matmul_cuda import MatmulCuda, bf16_to_f32, f32_to_bf16
 from runtime.tasks.softmax_cuda import SoftmaxCuda
 from runtime.timing import time_interleaved
+from runtime.toolchain.cuda_device import visible_gpus
+from runtime.toolchain.cuda_launch import Launch, LaunchError, arch_limits, occupancy, validate_launch
+from runtime.toolchain.nvcc import CudaSettings, nvcc_flags, parse_ptxas
 
 
 def test_ptxas_report_with_spills_and_stack():

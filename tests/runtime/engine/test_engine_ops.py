@@ -11,11 +11,11 @@ from engine_helpers import embed_sorted
 from scipy.special import erf
 
 from genome import Genome
-from runtime.backends.c import compile_source
 from runtime.engine import SLOT_TASKS, EngineConfig, KernelSource, build_ops, numpy_ops
 from runtime.engine.ops import np_bias_gelu, np_layernorm, np_softmax
 from runtime.settings import CompilerSettings
 from runtime.task import load_task_class
+from runtime.toolchain.cc import compile_source
 
 RNG = np.random.default_rng(7)
 

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from genome import Genome
-from runtime.cascade import WorkerContext
-from runtime.engine.evaluate import evaluate_engine
+from runtime.backends import backend_for
+from runtime.cascade import WorkerContext, evaluate
 from runtime.engine.task import EngineTask
 from runtime.executor import EvalRequest
 from runtime.result import Status
@@ -51,7 +51,6 @@ def _request(task: EngineTask, params: dict, tmp_path, **args) -> tuple[EvalRequ
     t = EngineTask(spec.args)
     t.share_model(task.model())
     t._reference = task._reference_embeddings()
-    t.reference_load, t.reference_at = task.reference_load, task.reference_at
     g = Genome(params={**t.seeds()[0].params, **params})
     req = EvalRequest(key=g.id, genome=g, task=spec, settings=EvalSettings(), cache_dir=str(tmp_path))
     return req, t
@@ -63,7 +62,7 @@ def _ctx(tmp_path) -> WorkerContext:
 
 def test_evaluation_measures_throughput_latency_memory(task, tmp_path):
     req, t = _request(task, {"max_batch": 4}, tmp_path)
-    res = evaluate_engine(req, t, _ctx(tmp_path))
+    res = evaluate(req, t, _ctx(tmp_path))
     assert res.status == Status.OK, res.error
     m = res.metrics
     assert res.fitness == pytest.approx(m["throughput"]) and res.fitness > 0 and res.unit == "sentences/s"
@@ -76,41 +75,41 @@ def test_the_default_engine_is_re_measured_when_its_figures_are_old(task, tmp_pa
     req, t = _request(task, {}, tmp_path, reference_every_s=0)
     seen = []
     for _ in range(2):
-        res = evaluate_engine(req, t, _ctx(tmp_path))
+        res = evaluate(req, t, _ctx(tmp_path))
         assert res.status == Status.OK and res.metrics["ref_age_s"] == 0.0
-        seen.append(t.reference_load)
+        seen.append(backend_for(t).reference_of(t).load)
     assert seen[0] is not seen[1]  # measured anew each time
     req, t = _request(task, {}, tmp_path)
-    evaluate_engine(req, t, _ctx(tmp_path))  # measures it if there are no figures yet
-    before = t.reference_load
-    res = evaluate_engine(req, t, _ctx(tmp_path))  # within reference_every_s (300 s): reused
-    assert t.reference_load is before and 0 < res.metrics["ref_age_s"] < 300
+    evaluate(req, t, _ctx(tmp_path))  # measures it if there are no figures yet
+    before = backend_for(t).reference_of(t).load
+    res = evaluate(req, t, _ctx(tmp_path))  # within reference_every_s (300 s): reused
+    assert backend_for(t).reference_of(t).load is before and 0 < res.metrics["ref_age_s"] < 300
 
 
 def test_process_workers_are_measured_with_their_memory(task, tmp_path):
     req, t = _request(task, {"workers": 2, "worker_kind": "process"}, tmp_path)
-    res = evaluate_engine(req, t, _ctx(tmp_path))
+    res = evaluate(req, t, _ctx(tmp_path))
     assert res.status == Status.OK, res.error
     assert res.fitness > 0 and res.metrics["similarity"] > 0.9999 and res.metrics["memory_mb"] > 50
 
 
 def test_over_the_p99_budget_is_recorded_but_has_no_fitness(task, tmp_path):
     req, t = _request(task, {}, tmp_path, p99_budget_ms=0.001)
-    res = evaluate_engine(req, t, _ctx(tmp_path))
+    res = evaluate(req, t, _ctx(tmp_path))
     assert res.status == Status.OK and res.fitness is None
     assert res.metrics["over_budget"] is True and res.metrics["throughput"] > 0
 
 
 def test_under_the_similarity_floor_is_wrong(task, tmp_path):
     req, t = _request(task, {"precision": "int8"}, tmp_path, similarity_floor=0.99999)
-    res = evaluate_engine(req, t, _ctx(tmp_path))
+    res = evaluate(req, t, _ctx(tmp_path))
     assert res.status == Status.WRONG and "under the floor" in res.error
     assert res.metrics["similarity"] < 0.99999
 
 
 def test_a_genome_outside_the_engine_is_invalid(task, tmp_path):
     req, t = _request(task, {"bucketing": "zigzag"}, tmp_path)
-    assert evaluate_engine(req, t, _ctx(tmp_path)).status == Status.INVALID
+    assert evaluate(req, t, _ctx(tmp_path)).status == Status.INVALID
 
 
 def test_a_missing_kernel_run_is_an_error_unless_optional(tmp_path):
@@ -135,7 +134,7 @@ def test_an_engine_duel_runs_both_engines_in_turn(task, tmp_path):
 
     req, t = _request(task, {"max_batch": 8}, tmp_path)
     rival = Genome(params={**t.seeds()[0].params, "max_batch": 1})
-    res = evaluate_engine(dataclasses.replace(req, stages="duel", rival=rival), t, _ctx(tmp_path))
+    res = evaluate(dataclasses.replace(req, stages="duel", rival=rival), t, _ctx(tmp_path))
     assert res.status == Status.OK, res.error
     m = res.metrics
     assert m["duel_rival"] == rival.id and m["duel_rounds"] == 2 and m["rival_throughput"] > 0

@@ -1,4 +1,4 @@
-"""The CUDA backend's device side, through pycuda: one context per worker process, guarded device
+"""The CUDA device side, through pycuda: one context per worker process, guarded device
 buffers, cubin loading and launches, CUDA-event timing (optional L2 flush), one timing lock per GPU.
 
 pycuda is imported lazily (it is the optional extra ``cuda``); :func:`probe` asks the driver through
@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from runtime.backends.c import CompileError
-from runtime.backends.cuda_launch import Launch
 from runtime.timing import TimingLock
+from runtime.toolchain.cc import CompileError
+from runtime.toolchain.cuda_launch import Launch
 
 __all__ = [
     "CudaUnavailable",

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from runtime.backends.cuda_device import DeviceBuffer
+from runtime.toolchain.cuda_device import DeviceBuffer
 
 __all__ = ["GpuReference", "gpu_reference", "preload"]
 

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from runtime.backends import CompileError, CompilerNotFound, cache_key, compile_source, compiler_version, load_kernel
 from runtime.settings import CompilerSettings
+from runtime.toolchain import CompileError, CompilerNotFound, cache_key, compile_source, compiler_version, load_kernel
 
 SRC = "void kernel(int n, float a, const float *x, float *y) { for (int i = 0; i < n; i++) y[i] = a * x[i]; }\n"
 
@@ -97,7 +97,7 @@ def test_closing_an_openmp_kernel_leaves_the_process_able_to_exit(cache, tmp_pat
 
     lib = _compile(OMP_SRC, cache, flags=["-O2", "-fopenmp"])
     code = (
-        "import numpy as np\nfrom runtime.backends import load_kernel\n"
+        "import numpy as np\nfrom runtime.toolchain import load_kernel\n"
         f"k = load_kernel({lib.path!r}, 'kernel')\n"
         "x = np.arange(1000, dtype=np.float32); y = np.empty_like(x)\n"
         "k.bind([1000, x, y])(); assert (y == 2 * x).all(); k.close()\nprint('closed')\n"
