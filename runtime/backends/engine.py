@@ -24,6 +24,7 @@ from runtime.backends.base import (
     Backend,
     BackendUnavailable,
     Build,
+    Column,
     Duels,
     Failure,
     Measurement,
@@ -168,6 +169,7 @@ class EngineBackend(Backend[EngineTask]):
 
     name = "engine"
     program = EngineProgram
+    check_columns = (Column("similarity", "min cosine"),)
 
     def __init__(self) -> None:
         self._references: dict[str, _Reference] = {}  # canonical task args -> the default engine's figures

@@ -37,6 +37,15 @@ def test_check_compile_only_on_a_c_config():
     assert [r["status"] for r in json.loads(proc.stdout)] == ["ok", "ok", "ok"]
 
 
+def test_check_on_an_engine_config_builds_and_checks_its_similarity():
+    proc = evo("check", "configs/engine_minilm.yaml", "--points", "0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert len(rows) >= 1 and all(r["status"] == "ok" and r["similarity"] > 0.999 for r in rows), rows
+    table = evo("check", "configs/engine_minilm.yaml", "--compile-only", "--points", "0")
+    assert table.returncode == 0 and "min cosine" in table.stdout and "seed 0" in table.stdout
+
+
 @pytest.mark.skipif(gpu_missing() is None, reason="this machine has a GPU: evo run would start")
 def test_run_on_a_cuda_config_without_a_gpu_stops_with_one_line():
     proc = evo("run", "configs/matmul_cuda.yaml", "--run-dir", os.devnull + "-never-created")
