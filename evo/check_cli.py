@@ -50,7 +50,8 @@ def _points(config: RunConfig, task: Task, n: int, seed: int) -> list[tuple[str,
 
 
 def _compile_one(config: RunConfig, task: Task, genome: Genome, arch: str | None, cache: str) -> dict[str, Any]:
-    """Compiles one point in this process (seeds and template points are ours, not untrusted code)."""
+    """Compiles one point in this process. Nothing of it is loaded or run (a backend's compile stage only
+    builds), so no sandbox is needed."""
     from runtime.backends import Failure, WorkerContext
     from runtime.toolchain.nvcc import DEFAULT_ARCH
 
@@ -72,7 +73,7 @@ def _table(rows: list[dict[str, Any]], title: str, columns: tuple[Column, ...]) 
     table.add_column("point")
     table.add_column("status")
     for col in columns:
-        table.add_column(col.header, justify="right")
+        table.add_column(col.header, justify=col.justify)
     table.add_column("compile s", justify="right")
     table.add_column("params")
     for r in rows:

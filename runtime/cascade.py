@@ -12,8 +12,8 @@ Stages by request (``EvalRequest.stages``):
 - ``full``: then time against the reference; a ``vs_reference`` above ``implausible_speedup`` is
   checked again on fresh inputs (``confirm``) and ``flagged``.
 - ``run``: build, load, one call on the request's inputs; the outputs come back in ``outputs``.
-- ``duel``: build and load the genome and its rival, then the genome's program re-checks itself and
-  times both side by side (``duel_ratio``: the rival's time over the genome's).
+- ``duel``: build and load the genome; its program re-checks itself, has the rival loaded (through
+  the same loader) and times both side by side (``duel_ratio``: the rival's time over the genome's).
 
 Timings: ``compile_s``, ``check_s``, ``lock_wait_s``, ``time_s``, ``total_s``, ``calls_s`` (inside the
 candidate's and the reference's calls) and ``overhead_s`` (the rest, less compile and lock wait).
@@ -72,21 +72,25 @@ def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult
             if mismatch is not None:
                 metrics["reference_mismatch"] = mismatch
         elif request.stages == "duel":
-            if request.rival is None:
-                raise Failure(Status.INVALID, "a duel needs a rival genome")
-            try:
-                rival = open_program(backend, task, request.rival, settings, ctx, {}, {})
-            except Failure as exc:  # the rival's fault, not the challenger's: a duel without a verdict
-                why = f"the rival {request.rival.id[:12]} could not be built: {exc}"
-                raise Failure(Status.COMPILE_ERROR, why) from None
-            opened.append(rival)
-            duel = program.duel(rival)  # type: ignore[attr-defined]
+
+            def open_rival() -> Program:
+                if request.rival is None:
+                    raise Failure(Status.INVALID, "a duel needs a rival genome")
+                try:
+                    rival = open_program(backend, task, request.rival, settings, ctx, {}, {})
+                except Failure as exc:  # the rival's fault, not the challenger's: a duel without a verdict
+                    why = f"the rival {request.rival.id[:12]} could not be built: {exc}"
+                    raise Failure(Status.COMPILE_ERROR, why) from None
+                opened.append(rival)
+                return rival
+
+            duel = program.duel(open_rival)  # type: ignore[attr-defined]
             fitness = duel.fitness
-            metrics.update(duel.metrics, duel_rival=request.rival.id)
+            metrics.update(duel.metrics, duel_rival=request.rival.id)  # type: ignore[union-attr]
             timings.update(duel.timings)
         elif request.stages != "compile":
             t0 = time.perf_counter()
-            metrics.update(program.check(settings.check_trials))
+            metrics.update(program.check(settings.check_trials))  # a failure carries check_s if it has one
             timings["check_s"] = time.perf_counter() - t0
             if request.stages == "full":
                 fitness = _time(program, settings, metrics, timings)
@@ -94,6 +98,7 @@ def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult
     except Failure as exc:
         status, fitness, error = exc.status, None, str(exc)
         metrics = {**{k: v for k, v in metrics.items() if k == "compile_cached"}, **exc.metrics}
+        timings.update(exc.timings)
     finally:
         for p in opened:
             p.close()
@@ -116,6 +121,6 @@ def _time(program: Program, settings: EvalSettings, metrics: dict[str, Any], tim
             program.confirm()
         except Failure as exc:
             note = f"(on re-verifying an implausible {speedup:.1f}x speed-up)"
-            raise Failure(exc.status, f"{exc} {note}", metrics=exc.metrics) from None
+            raise Failure(exc.status, f"{exc} {note}", metrics=exc.metrics, timings=exc.timings) from None
         metrics["flagged"] = True
     return measured.fitness

@@ -202,7 +202,13 @@ def load_task_class(ref: str) -> type[Task]:
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise TaskLoadError(f"{target!r} is not a task: subclass runtime.KernelTask (a kernel) or runtime.Task")
-    if not isinstance(getattr(cls, "backend", None), str):
+    backend = getattr(cls, "backend", None)
+    if not isinstance(backend, str):
         raise TaskLoadError(f"{target!r} names no backend: subclass runtime.KernelTask for a C kernel task, "
                             "or set the class attribute `backend`")
+    from runtime.backends import BACKENDS  # here: the backends import this module
+
+    if backend not in BACKENDS and ":" not in backend:
+        raise TaskLoadError(f"{target!r} names an unknown backend {backend!r}: use one of "
+                            f"{', '.join(sorted(BACKENDS))} or 'module:Class' of a runtime.backends.Backend")
     return cls

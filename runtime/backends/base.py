@@ -27,7 +27,8 @@ which GPU a worker slot gets, and which metrics ``evo check`` shows as columns.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar, get_args
 
@@ -78,13 +79,25 @@ class WorkerContext:
 
 
 class Failure(Exception):
-    """Ends the cascade with ``status`` and ``message``; ``metrics`` are kept with the failed result
-    (e.g. the similarity an engine missed its floor by)."""
+    """Ends the cascade with ``status`` and ``message``. ``metrics`` are kept with the failed result (e.g. the
+    similarity an engine missed its floor by), ``timings`` too (the stages that ran before the failure)."""
 
-    def __init__(self, status: Status, message: str, *, metrics: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, status: Status, message: str, *, metrics: Mapping[str, Any] | None = None,
+                 timings: Mapping[str, float] | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.status = status
         self.metrics = dict(metrics or {})
+        self.timings = dict(timings or {})
+
+    @classmethod
+    @contextlib.contextmanager
+    def timed(cls, timings: Mapping[str, float]) -> Iterator[None]:
+        """A :class:`Failure` raised inside carries ``timings`` (what was measured before it was found)."""
+        try:
+            yield
+        except Failure as exc:
+            exc.timings = {**timings, **exc.timings}
+            raise
 
 
 class UnsupportedStage(ValueError):
@@ -112,6 +125,7 @@ class Column:
     metric: str
     header: str
     percent: bool = False
+    justify: Literal["left", "right"] = "right"
 
 
 @dataclass
@@ -174,10 +188,11 @@ class Duels(abc.ABC):
     """A program that can be timed side by side with a rival of the same task (stage ``duel``)."""
 
     @abc.abstractmethod
-    def duel(self, rival: Program) -> Measurement:
-        """Checks this candidate again, then times it interleaved with ``rival`` under the lock. The metrics
-        hold ``duel_ratio`` (> 1: this candidate is faster); the fitness is this candidate's from this
-        timing (``None`` when over a budget)."""
+    def duel(self, open_rival: Callable[[], Program]) -> Measurement:
+        """Checks this candidate again and times it interleaved with the rival under the lock; calls
+        ``open_rival`` (the cascade's loader, raising :class:`Failure`) where the backend needs the rival.
+        The metrics hold ``duel_ratio`` (> 1: this candidate is faster); the fitness is this candidate's from
+        this timing (``None`` when over a budget)."""
 
 
 class Backend(abc.ABC, Generic[T]):

@@ -8,7 +8,7 @@ This is the example to copy for a new backend: a :class:`Backend` with ``compile
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -118,11 +118,12 @@ class CProgram(Program, RunsGivenInputs, Duels):
         with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads) as cores:  # type: ignore[union-attr]
             run = time_interleaved(call, reference, timing, before=inst.poison, after=inst.verify_written)
         self.clock.calls += run.call_seconds
-        spent = time.perf_counter() - t0 - waited
-        inst.verify_integrity()
-        compare(task, inst)  # the last timed call's output must be right too
+        timings = {"lock_wait_s": waited, "time_s": time.perf_counter() - t0 - waited}
+        with Failure.timed(timings):
+            inst.verify_integrity()
+            compare(task, inst)  # the last timed call's output must be right too
         fitness, metrics = timing_metrics(run, task.work(inst.case))
-        return Measurement(fitness, {**metrics, "cores": sorted(cores)}, {"lock_wait_s": waited, "time_s": spent})
+        return Measurement(fitness, {**metrics, "cores": sorted(cores)}, timings)
 
     def confirm(self) -> None:
         self._check_case(self.task.full_case())
@@ -137,7 +138,8 @@ class CProgram(Program, RunsGivenInputs, Duels):
             mismatch = str(exc)
         return {name: inst.arrays[name].copy() for name in inst.outputs}, mismatch
 
-    def duel(self, rival: Program) -> Measurement:
+    def duel(self, open_rival: Callable[[], Program]) -> Measurement:
+        rival = open_rival()
         assert isinstance(rival, CProgram)
         task, timing = self.task, self.settings.timing
         full_case = task.full_case()
@@ -148,14 +150,15 @@ class CProgram(Program, RunsGivenInputs, Duels):
         t0 = time.perf_counter()
         with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads):  # type: ignore[union-attr]
             run = time_interleaved(call, rival_call, timing, before=mine.poison, after=mine.verify_written)
-        spent = time.perf_counter() - t0 - waited
+        timings = {"lock_wait_s": waited, "time_s": time.perf_counter() - t0 - waited}
         self.clock.calls += run.call_seconds
-        mine.verify_integrity()
-        compare(task, mine)
+        with Failure.timed(timings):
+            mine.verify_integrity()
+            compare(task, mine)
         median = max(run.candidate.median, 1e-12)
         metrics = {"duel_ratio": run.reference.median / median, "time_median_s": median,
                    "rival_time_median_s": run.reference.median, "n_repeats": run.candidate.n}  # fmt: skip
-        return Measurement(task.work(full_case) / median, metrics, {"lock_wait_s": waited, "time_s": spent})
+        return Measurement(task.work(full_case) / median, metrics, timings)
 
     def close(self) -> None:
         self.kernel.close()

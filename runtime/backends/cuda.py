@@ -187,14 +187,15 @@ class CudaProgram(Program):
         with dev.lock(settings.timing.lock_file).held() as waited:
             timed = time_interleaved(call, ref_call, settings.timing, before=lambda: self._poison(inst), timer=timer)
         self.clock.calls += timed.call_seconds
-        spent = time.perf_counter() - t0 - waited
+        timings = {"lock_wait_s": waited, "time_s": time.perf_counter() - t0 - waited}
         for k in ref_out:
             del self.buffers[f"_ref_{k}"]
             ref_out[k].free()
-        self._verify(inst)  # the last timed call's output must be right too
+        with Failure.timed(timings):
+            self._verify(inst)  # the last timed call's output must be right too
         fitness, metrics = timing_metrics(timed, task.work(case))
         metrics.update(reference_impl=impl, l2_flush=settings.cuda.l2_flush)
-        return Measurement(fitness, metrics, {"lock_wait_s": waited, "time_s": spent})
+        return Measurement(fitness, metrics, timings)
 
     def confirm(self) -> None:
         with _on_the_gpu():
@@ -212,7 +213,7 @@ class CudaBackend(Backend[CudaTask]):
     check_columns = (
         Column("registers", "regs"), Column("smem_bytes", "smem B"), Column("spill_bytes", "spill B"),
         Column("threads_per_block", "threads"), Column("occupancy", "occupancy", percent=True),
-        Column("occupancy_limited_by", "limited by"),
+        Column("occupancy_limited_by", "limited by", justify="left"),
     )  # fmt: skip
 
     def preflight(self, task: CudaTask, settings: EvalSettings, *, compile_only: bool = False) -> None:

@@ -13,6 +13,7 @@ backend's state in the worker, kept across the candidates it evaluates. Stage ``
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,17 +46,23 @@ __all__ = ["DUEL_ROUNDS", "EngineBackend", "EngineProgram", "measure"]
 DUEL_ROUNDS = 2
 
 
-def measure(engine: Engine, task: EngineTask) -> tuple[LoadResult, float, int]:
-    """Starts ``engine``, runs the task's load on it, then closes it.
+def measure(engine: Engine, task: EngineTask, *, close: bool = True) -> tuple[LoadResult, float, int]:
+    """Starts ``engine``, runs the task's load on it, then stops it (and, with ``close``, frees its kernels).
 
     Returns the load's figures, the memory (PSS, MB, of this process and the engine's worker processes)
     at its end, and the batches the engine ran.
     """
     a = task.args
-    with engine:
+    engine.start()
+    try:
         result = closed_loop(engine.submit, task.texts(), concurrency=a.concurrency, duration_s=a.duration_s,
                              warmup_s=a.warmup_s)
         memory, batches = proportional_mb(engine.worker_pids), engine.batches
+    finally:
+        if close:
+            engine.close()
+        else:
+            engine.stop()
     return result, memory, batches
 
 
@@ -80,18 +87,21 @@ class EngineProgram(Program, Duels):
     calls_s: float = 0.0
     _closed: bool = field(default=False, repr=False)
 
-    def _similarity(self) -> dict[str, Any]:
+    def _similarity(self) -> tuple[dict[str, Any], float]:
+        """The similarity metric and the seconds its check took; under the floor it is ``wrong``."""
         t0 = time.perf_counter()
         similarity = self.task.similarity(self.engine)
-        self.calls_s += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.calls_s += spent
         floor = self.task.args.similarity_floor
         if similarity < floor:
             raise Failure(Status.WRONG, f"min cosine to the fp32 engine {similarity:.5f} is under the floor "
-                          f"{floor:g} (precision {self.config.precision})", metrics={"similarity": similarity})
-        return {"similarity": similarity}
+                          f"{floor:g} (precision {self.config.precision})", metrics={"similarity": similarity},
+                          timings={"check_s": spent})  # fmt: skip
+        return {"similarity": similarity}, spent
 
     def check(self, trials: int) -> dict[str, Any]:
-        return self._similarity()
+        return self._similarity()[0]
 
     def time(self) -> Measurement:
         task, settings, ref = self.task, self.settings, self.reference
@@ -102,8 +112,7 @@ class EngineProgram(Program, Duels):
             if ref.load is None or age > a.reference_every_s:
                 default = task.build(EngineConfig(), compiler=settings.compiler, cache_dir=self.ctx.cache_dir)
                 ref.load, ref.at, age = measure(default, task)[0], time.monotonic(), 0.0
-            run, memory, batches = measure(self.engine, task)
-        self._closed = True  # measure closed it
+            run, memory, batches = measure(self.engine, task, close=False)  # confirm() may check it again
         spent = time.perf_counter() - t0 - waited
         self.calls_s += spent
         base = ref.load
@@ -119,21 +128,16 @@ class EngineProgram(Program, Duels):
         return Measurement(None if over else run.throughput, metrics, {"lock_wait_s": waited, "time_s": spent})
 
     def confirm(self) -> None:
-        """The similarity again (the engine's load already ran on texts it had not seen in the check)."""
-        if self._closed:  # measure() closed the engine: build it again, like a fresh process would
-            self.engine = self.task.build(self.config, compiler=self.settings.compiler, cache_dir=self.ctx.cache_dir,
-                                          work_dir=self.ctx.work_dir)
-            self._closed = False
+        """The similarity again, on the engine as it ran the load."""
         self._similarity()
 
-    def duel(self, rival: Program) -> Measurement:
-        """The similarity check, then the load on this engine and on the rival's in turn, ``DUEL_ROUNDS``
-        rounds each under the lock; ``duel_ratio`` is the median throughput over the rival's. The fitness
-        is ``None`` when the median p99 is over the budget."""
+    def duel(self, open_rival: Callable[[], Program]) -> Measurement:
+        """The similarity check, then the rival's engine is built and the load runs on each engine in turn,
+        ``DUEL_ROUNDS`` rounds each under the lock; ``duel_ratio`` is the median throughput over the rival's.
+        The fitness is ``None`` when the median p99 is over the budget."""
+        similarity, check_s = self._similarity()
+        rival = open_rival()
         assert isinstance(rival, EngineProgram)
-        t0 = time.perf_counter()
-        similarity = self._similarity()
-        check_s = time.perf_counter() - t0
         task, a = self.task, self.task.args
         mine: list[LoadResult] = []
         theirs: list[LoadResult] = []
@@ -172,11 +176,12 @@ class EngineBackend(Backend[EngineTask]):
     check_columns = (Column("similarity", "min cosine"),)
 
     def __init__(self) -> None:
-        self._references: dict[str, _Reference] = {}  # canonical task args -> the default engine's figures
+        self._references: dict[str, _Reference] = {}  # task class and args -> the default engine's figures
 
     def reference_of(self, task: EngineTask) -> _Reference:
         """The default engine's figures for ``task``'s load in this worker (empty until first measured)."""
-        return self._references.setdefault(canonical_json(task.args.model_dump(mode="json")), _Reference())
+        key = f"{type(task).__module__}:{type(task).__qualname__} {canonical_json(task.args.model_dump(mode='json'))}"
+        return self._references.setdefault(key, _Reference())
 
     def preflight(self, task: EngineTask, settings: EvalSettings, *, compile_only: bool = False) -> None:
         try:
@@ -199,22 +204,26 @@ class EngineBackend(Backend[EngineTask]):
             workers.close()
 
     def compile(self, task: EngineTask, genome: Genome, settings: EvalSettings, ctx: WorkerContext) -> Build:
-        """The engine of ``genome``: its configuration validated, the model in its precision, its kernels
-        compiled (cached) and loaded."""
+        """``genome``'s engine configuration, validated, and its kernels compiled into the cache (not loaded)."""
         try:
             config = task.engine_config(genome)
         except (ValueError, ValidationError, TypeError) as exc:
             raise Failure(Status.INVALID, f"not an engine configuration: {exc}") from None
-        t0 = time.perf_counter()
         try:
-            engine = task.build(config, compiler=settings.compiler, cache_dir=ctx.cache_dir, work_dir=ctx.work_dir)
+            seconds = task.compile_kernels(config, compiler=settings.compiler, cache_dir=ctx.cache_dir,
+                                           work_dir=ctx.work_dir)  # fmt: skip
         except CompileError as exc:
             raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
-        return Build(genome, (config, engine), time.perf_counter() - t0)
+        return Build(genome, config, seconds)
 
     def load(self, task: EngineTask, build: Build, settings: EvalSettings, ctx: WorkerContext) -> EngineProgram:
-        config, engine = build.artifact
-        return EngineProgram(task, engine, config, settings, ctx, self.reference_of(task))
+        """The engine: the model in the configuration's precision, its kernels loaded from the cache."""
+        try:
+            engine = task.build(build.artifact, compiler=settings.compiler, cache_dir=ctx.cache_dir,
+                                work_dir=ctx.work_dir)  # fmt: skip
+        except CompileError as exc:  # e.g. a library without the kernel function
+            raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
+        return EngineProgram(task, engine, build.artifact, settings, ctx, self.reference_of(task))
 
 
 def _lengths(seqs: list[np.ndarray]) -> np.ndarray:

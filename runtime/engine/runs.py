@@ -106,6 +106,15 @@ class StoredRun:
         return KernelSource(slot, cand.id, task.render(cand.genome), tuple(task.compile_flags()), self.task.name)
 
 
+def compile_kernels(
+    kernels: dict[str, KernelSource], *, compiler: CompilerSettings, cache_dir: str, work_dir: str | None = None
+) -> float:
+    """Compiles the kernels into the cache without loading them (nothing of them runs); returns the seconds
+    the compiler took (0 when every one was cached). Raises :class:`runtime.toolchain.CompileError`."""
+    return sum(compile_source(ks.source, compiler=compiler, extra_flags=ks.flags, cache_dir=cache_dir,
+                              work_dir=work_dir).seconds for ks in kernels.values())
+
+
 def build_ops(
     kernels: dict[str, KernelSource], *, compiler: CompilerSettings, cache_dir: str, work_dir: str | None = None
 ) -> Ops:

@@ -23,7 +23,7 @@ from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param, SpaceEr
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.model import Model, Precision
 from runtime.engine.ops import SLOTS, numpy_ops
-from runtime.engine.runs import KernelSource, RunNotFound, StoredRun, build_ops
+from runtime.engine.runs import KernelSource, RunNotFound, StoredRun, build_ops, compile_kernels
 from runtime.settings import CompilerSettings
 from runtime.task import Descriptor, Task, TaskArgs
 
@@ -259,6 +259,12 @@ class EngineTask(Task):
             run_dir = self._runs.get(key) or self._run_holding(slot, cid)
             self._sources[key] = StoredRun(run_dir).kernel_source(slot, cid)
         return self._sources[key]
+
+    def compile_kernels(self, config: EngineConfig, *, compiler: CompilerSettings, cache_dir: str,
+                        work_dir: str | None = None) -> float:
+        """Compiles ``config``'s kernels into the cache without loading them; returns the compile seconds."""
+        sources = {slot: self._kernel_source(slot, cid) for slot, cid in config.kernels.items()}
+        return compile_kernels(sources, compiler=compiler, cache_dir=cache_dir, work_dir=work_dir)
 
     def build(self, config: EngineConfig, *, compiler: CompilerSettings, cache_dir: str,
               work_dir: str | None = None) -> Engine:

@@ -65,9 +65,13 @@ def test_a_task_that_names_no_backend_is_refused(tmp_path, monkeypatch):
     (tmp_path / "no_backend_task.py").write_text(
         "from runtime import Task\nclass T(Task):\n    name = 't'\n    unit = 'x'\n"
         "    def space(self): ...\n    def seeds(self): ...\n    def render(self, g): ...\n")
+    (tmp_path / "odd_backend_task.py").write_text(
+        "from no_backend_task import T\nclass U(T):\n    backend = 'fpga'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(TaskLoadError, match="names no backend: subclass runtime.KernelTask"):
         load_task_class("no_backend_task:T")
+    with pytest.raises(TaskLoadError, match="unknown backend 'fpga': use one of c, cuda, engine or 'module:Class'"):
+        load_task_class("odd_backend_task:U")
 
 
 @pytest.mark.parametrize(("stages", "has"), [("compile", {"compile_s"}), ("check", {"compile_s", "check_s"}),

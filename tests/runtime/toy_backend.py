@@ -7,7 +7,7 @@ is 1, so ``vs_reference`` is ``s``), and it raises :class:`Failure` at ``stage``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from genome import Genome, ParamSpace
@@ -54,7 +54,8 @@ class ToyProgram(Program, Duels):
         if self.fail == "confirm":
             raise Failure(Status.WRONG, "answered 41 on fresh inputs")
 
-    def duel(self, rival: Program) -> Measurement:
+    def duel(self, open_rival: Callable[[], Program]) -> Measurement:
+        rival = open_rival()
         assert isinstance(rival, ToyProgram)
         return Measurement(self.speed, {"duel_ratio": self.speed / rival.speed}, {"time_s": 0.001})
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import yaml
@@ -104,7 +106,10 @@ def test_under_the_similarity_floor_is_wrong(task, tmp_path):
     req, t = _request(task, {"precision": "int8"}, tmp_path, similarity_floor=0.99999)
     res = evaluate(req, t, _ctx(tmp_path))
     assert res.status == Status.WRONG and "under the floor" in res.error
-    assert res.metrics["similarity"] < 0.99999
+    assert res.metrics["similarity"] < 0.99999 and res.timings["check_s"] > 0
+    # in a duel too, the similarity is checked first: under the floor is wrong, whatever the rival
+    duel = evaluate(dataclasses.replace(req, stages="duel", rival=None), t, _ctx(tmp_path))
+    assert duel.status == Status.WRONG and "under the floor" in duel.error
 
 
 def test_a_genome_outside_the_engine_is_invalid(task, tmp_path):
