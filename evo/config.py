@@ -95,9 +95,6 @@ class SearchConfig(_Model):
     selection: SelectionConfig = Field(default_factory=SelectionConfig)
     operators: OperatorsConfig = Field(default_factory=OperatorsConfig)
     max_dedup_tries: int = Field(50, ge=1, description="proposals tried before giving up a slot on duplicates")
-    duel_margin: float = Field(
-        0.1, ge=0, description="a would-be new best at most this fraction above the best is re-timed side by "
-        "side against it before it is crowned (0: never)")
 
 
 class ArchiveConfig(_Model):
@@ -173,10 +170,30 @@ def _first_error(exc: ValidationError, *, prefix: str = "") -> str:
     return f"{loc}: {msg}{got}{more}"
 
 
+OBSOLETE: dict[str, str] = {
+    "search.duel_margin": "every would-be new best is now re-timed side by side against the best before it is "
+    "crowned, whatever its margin",
+}
+"""Keys earlier versions accepted, and why they are gone: a config (or a run's stored config) naming one
+still loads, with a note, and without the key."""
+
+
+def _migrated(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """``data`` without the :data:`OBSOLETE` keys, each dropped with a note on stderr."""
+    out = dict(data)
+    for key, why in OBSOLETE.items():
+        section, _, name = key.partition(".")
+        if isinstance(out.get(section), dict) and name in out[section]:
+            out[section] = {k: v for k, v in out[section].items() if k != name}
+            print(f"note: {source}: {key} is obsolete and ignored: {why}; remove it", file=sys.stderr)
+    return out
+
+
 def parse_config(data: Any, *, source: str, base_dir: Path | None = None) -> RunConfig:
     """Validates a parsed YAML document; errors name ``source`` and the key path."""
     if not isinstance(data, dict):
         raise UserError(f"{source}: expected a mapping of keys at the top level")
+    data = _migrated(data, source)
     try:
         config = RunConfig.model_validate(data)
     except ValidationError as exc:

@@ -1,9 +1,10 @@
 """Duels: a would-be new best is re-timed side by side against the current best before it is crowned.
 
-Timings on a shared machine drift by tens of percent between evaluations, so a challenger a few percent
-above the best may only have been timed in a quiet moment. When a result lands within
-``search.duel_margin`` above the best, and the task's backend offers duels, the controller holds it back
-and asks a worker to time both kernels (or engines) interleaved, under the timing lock. The duel's ratio
+Timings on a shared machine drift by tens of percent between evaluations, and a worker's state can bias
+them for as long as it lives, so a challenger may have been timed in a quiet moment or a lucky worker;
+the bigger its claim, the more it needs checking. Every result that would be the new best, whatever its
+margin, is held back (when the task's backend offers duels) while a worker times it and the best
+interleaved, on the same inputs, under the timing lock. The duel's ratio
 decides: a challenger faster side by side keeps its fitness and is crowned; one that is not gets the
 best's fitness times the ratio (below the best, where the side-by-side timing puts it); one that fails
 its re-check, or gets no verdict, is not crowned either (:func:`settle`). The candidate's result is
@@ -20,13 +21,13 @@ from runtime.result import EvalResult, Status
 __all__ = ["settle", "wants_duel"]
 
 
-def wants_duel(result: EvalResult, best_fitness: float | None, margin: float) -> bool:
-    """True when ``result`` would be the new best, but by no more than ``margin`` (a fraction) of the best."""
-    if margin <= 0 or best_fitness is None or best_fitness <= 0:
+def wants_duel(result: EvalResult, best_fitness: float | None) -> bool:
+    """True when ``result`` would be the new best, by any margin: big claims need more proof, not less."""
+    if best_fitness is None or best_fitness <= 0:
         return False
     if result.status != Status.OK or result.fitness is None:
         return False
-    return best_fitness < result.fitness <= best_fitness * (1.0 + margin)
+    return result.fitness > best_fitness
 
 
 def settle(result: EvalResult, duel: EvalResult | None, rival_id: str, rival_fitness: float) -> EvalResult:

@@ -224,7 +224,7 @@ class Search:
     # --- results --------------------------------------------------------------------------------
 
     def _commit(self, request: EvalRequest, result: EvalResult) -> None:
-        """A finished evaluation: a would-be new best within the duel margin is held back for a duel first."""
+        """A finished evaluation: a would-be new best is held back for a duel against the best first."""
         if request.stages == "duel":
             held, best = self._duels.pop(request.key)
             settled = settle(held[1], result, best.id, best.fitness or 0.0)
@@ -234,7 +234,7 @@ class Search:
         best = self._best
         if (self._pool is not None and best is not None and best.id != request.key
                 and backend_for(self.task).supports("duel")
-                and wants_duel(result, best.fitness, self.config.search.duel_margin)):
+                and wants_duel(result, best.fitness)):
             self._duels[request.key] = ((request, result), best)
             self._pool.submit(dataclasses.replace(request, stages="duel", rival=best.genome))
             return

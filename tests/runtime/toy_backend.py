@@ -2,7 +2,8 @@
 
 ``ToyTask``'s genome is ``{"speed": s, "fail": stage}``: its program's fitness is ``s`` (the reference's
 is 1, so ``vs_reference`` is ``s``), and it raises :class:`Failure` at ``stage`` (``compile``, ``load``,
-``check``, ``confirm``). Every program it loads is listed in ``LOADED`` with whether it was closed.
+``check``, ``confirm``); ``later_speed`` is its speed when timed again. Every program it loads is listed
+in ``LOADED`` with whether it was closed.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class ToyTask(Task):
 class ToyProgram(Program, Duels):
     def __init__(self, params: Mapping[str, Any]) -> None:
         self.speed, self.fail, self.closed = float(params["speed"]), params.get("fail"), False
+        self.later_speed, self.timed = float(params.get("later_speed", 0)), 0
         LOADED.append(self)
 
     def check(self, trials: int) -> dict[str, Any]:
@@ -48,7 +50,9 @@ class ToyProgram(Program, Duels):
 
     def time(self) -> Measurement:
         self.calls_s += 0.002
-        return Measurement(self.speed, {"vs_reference": self.speed}, {"lock_wait_s": 0.0, "time_s": 0.002})
+        self.timed += 1
+        speed = self.later_speed if self.timed > 1 and self.later_speed else self.speed
+        return Measurement(speed, {"vs_reference": speed}, {"lock_wait_s": 0.0, "time_s": 0.002})
 
     def confirm(self) -> None:
         if self.fail == "confirm":
