@@ -120,13 +120,17 @@ def time_interleaved(
     before: Callable[[], object] | None = None,
     after: Callable[[], object] | None = None,
     timer: Callable[[Callable[[], object]], float] | None = None,
+    round_start: Callable[[], object] | None = None,
+    round_end: Callable[[], object] | None = None,
 ) -> TimingRun:
     """Times ``candidate`` and ``reference`` side by side (see the module docstring for when it stops).
 
     ``before`` and ``after`` run untimed around every timed candidate call: the cascade poisons the
     outputs before and checks they were written after, so a kernel cannot skip work once it has
     passed its checks. ``timer(fn)`` runs ``fn`` and returns its seconds (default: ``perf_counter``
-    around the call); the CUDA backend passes one that times with CUDA events.
+    around the call); the CUDA backend passes one that times with CUDA events. ``round_start`` and
+    ``round_end`` run untimed around each round (both calls): the C backend writes fresh inputs before
+    and checks the candidate's outputs against the reference's after.
     """
     clock = time.perf_counter_ns
     start = clock()
@@ -138,6 +142,8 @@ def time_interleaved(
     deadline = start + int(settings.max_seconds * 1e9)
     pair = ((candidate, cand), (reference, ref))
     for i in range(settings.max_repeats):
+        if round_start is not None:
+            round_start()
         for fn, out in pair if i % 2 == 0 else pair[::-1]:
             is_candidate = fn is candidate
             if is_candidate and before is not None:
@@ -150,6 +156,8 @@ def time_interleaved(
                 out.append(timer(fn))
             if is_candidate and after is not None:
                 after()
+        if round_end is not None:
+            round_end()
         if clock() >= deadline:
             break
         if (

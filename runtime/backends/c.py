@@ -26,7 +26,7 @@ from runtime.backends.base import (
     RunsGivenInputs,
     WorkerContext,
 )
-from runtime.backends.kernels import CallClock, Instance, compare, fresh_rng, timing_metrics
+from runtime.backends.kernels import CallClock, Instance, compare, compare_sampled, fresh_rng, timing_metrics
 from runtime.result import Status
 from runtime.settings import EvalSettings
 from runtime.task import Case, KernelTask
@@ -111,17 +111,29 @@ class CProgram(Program, RunsGivenInputs, Duels):
         t0 = time.perf_counter()
         call = self.kernel.bind(task.kernel_args(inst.case, inst.arrays))
         ref_out = {name: np.empty_like(a) for name, a in inst.expected.items()}
+        rng = fresh_rng()[1]
 
         def reference() -> None:
             task.reference(inst.case, inst.inputs, ref_out)
 
-        with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads) as cores:  # type: ignore[union-attr]
-            run = time_interleaved(call, reference, timing, before=inst.poison, after=inst.verify_written)
-        self.clock.calls += run.call_seconds
-        timings = {"lock_wait_s": waited, "time_s": time.perf_counter() - t0 - waited}
-        with Failure.timed(timings):
+        def round_end() -> None:  # this round's output, against the reference's on the same inputs
             inst.verify_integrity()
-            compare(task, inst)  # the last timed call's output must be right too
+            compare_sampled(task, inst, ref_out, rng)
+
+        timings: dict[str, float] = {}
+        with Failure.timed(timings):
+            with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads) as cores:  # type: ignore[union-attr]
+                timings["lock_wait_s"] = waited
+                try:  # fresh inputs every round: a kernel never sees the same inputs twice (no memoisation)
+                    run = time_interleaved(call, reference, timing, round_start=lambda: inst.refill(task, rng),
+                                           round_end=round_end)  # fmt: skip
+                finally:
+                    timings["time_s"] = time.perf_counter() - t0 - waited
+        self.clock.calls += run.call_seconds
+        with Failure.timed(timings):
+            for name in inst.outputs:  # the last round's output, in full
+                inst.expected[name][...] = ref_out[name]
+            compare(task, inst)
         fitness, metrics = timing_metrics(run, task.work(inst.case))
         return Measurement(fitness, {**metrics, "cores": sorted(cores)}, timings)
 
@@ -147,13 +159,31 @@ class CProgram(Program, RunsGivenInputs, Duels):
         theirs = _prepared(task, self.clock, full_case, given=mine.inputs)
         call = self.kernel.bind(task.kernel_args(full_case, mine.arrays))
         rival_call = rival.kernel.bind(task.kernel_args(full_case, theirs.arrays))
+        rng = fresh_rng()[1]
+
+        def round_start() -> None:  # fresh inputs every round, the same for both
+            mine.refill(task, rng)
+            for name, arr in mine.inputs.items():
+                theirs.inputs[name] = arr
+                theirs.arrays[name][...] = arr
+            theirs.poison()
+
+        def round_end() -> None:  # the rival, the best so far, is the yardstick of the challenger's outputs
+            mine.verify_integrity()
+            compare_sampled(task, mine, {n: theirs.arrays[n] for n in mine.outputs}, rng)
+
         t0 = time.perf_counter()
-        with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads):  # type: ignore[union-attr]
-            run = time_interleaved(call, rival_call, timing, before=mine.poison, after=mine.verify_written)
-        timings = {"lock_wait_s": waited, "time_s": time.perf_counter() - t0 - waited}
+        timings: dict[str, float] = {}
+        with Failure.timed(timings):
+            with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads):  # type: ignore[union-attr]
+                timings["lock_wait_s"] = waited
+                try:
+                    run = time_interleaved(call, rival_call, timing, round_start=round_start, round_end=round_end)
+                finally:
+                    timings["time_s"] = time.perf_counter() - t0 - waited
         self.clock.calls += run.call_seconds
         with Failure.timed(timings):
-            mine.verify_integrity()
+            mine.expect(task, self.clock)  # the last round's inputs, in full
             compare(task, mine)
         median = max(run.candidate.median, 1e-12)
         metrics = {"duel_ratio": run.reference.median / median, "time_median_s": median,

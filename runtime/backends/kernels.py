@@ -28,6 +28,7 @@ __all__ = [
     "CallClock",
     "Instance",
     "compare",
+    "compare_sampled",
     "fresh_rng",
     "guarded_empty",
     "poison",
@@ -118,6 +119,13 @@ class Instance:
             exp = self.expected[name]
             self.raws[name], self.arrays[name] = guarded_empty(exp.shape, exp.dtype)
 
+    def refill(self, task: KernelTask, rng: np.random.Generator) -> None:
+        """Fresh inputs, drawn now, written into the kernel's buffers; outputs poisoned."""
+        for name, arr in task.inputs(self.case, rng).items():
+            self.inputs[name] = np.ascontiguousarray(arr)
+            self.arrays[name][...] = arr
+        self.poison()
+
     def expect(self, task: KernelTask, clock: CallClock) -> None:
         """Computes the expected outputs with the task's reference."""
         clock.run(lambda: task.reference(self.case, self.inputs, self.expected))
@@ -167,6 +175,26 @@ def compare(task: KernelTask, inst: Instance) -> None:
             f"({int(bad.sum())} of {bad.size} elements outside rtol={rtol:g}, atol={atol:g}); "
             f"case {inst.case}, input seed {inst.seed}",
         )
+
+
+def compare_sampled(task: KernelTask, inst: Instance, expected: Mapping[str, np.ndarray], rng: np.random.Generator,
+                    k: int = 256) -> None:
+    """After a timed call: no output left unwritten, and ``k`` elements of each output, chosen now, within
+    tolerance of ``expected`` (the reference's outputs for the same inputs); else ``wrong``."""
+    rtol, atol = task.tolerance(inst.case)
+    for name in inst.outputs:
+        got, exp = inst.arrays[name].reshape(-1), expected[name].reshape(-1)
+        if np.issubdtype(got.dtype, np.floating) and np.isnan(got).any() and not np.isnan(exp).any():
+            raise Failure(Status.WRONG, f"left output {name!r} unwritten on a timed call, case {inst.case}")
+        idx = rng.integers(0, got.size, min(k, got.size))
+        g, e = got[idx].astype(np.float64), exp[idx].astype(np.float64)
+        bad = ~(np.abs(g - e) <= atol + rtol * np.abs(e)) & ~(np.isnan(g) & np.isnan(e))
+        if bad.any():
+            j = int(np.argmax(bad))
+            where = tuple(int(i) for i in np.unravel_index(int(idx[j]), inst.arrays[name].shape))
+            raise Failure(Status.WRONG, f"wrong output {name!r} on a timed call with fresh inputs, at index {where}: "
+                          f"expected {exp[idx[j]].item()!r}, got {got[idx[j]].item()!r} ({int(bad.sum())} of "
+                          f"{idx.size} sampled elements outside rtol={rtol:g}, atol={atol:g}); case {inst.case}")
 
 
 def timing_metrics(run: TimingRun, work: float) -> tuple[float, dict[str, Any]]:

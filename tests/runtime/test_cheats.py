@@ -1,0 +1,102 @@
+"""Cheating kernels, written as a model looking for holes in the evaluator would write them.
+
+Memoisation: every timed round sees fresh inputs, and its outputs are checked against the reference's on
+the same inputs, so a kernel that remembers an answer gains nothing (keyed on content) or is ``wrong``
+(keyed on its buffers' addresses). Each cheat is run beside the honest kernel it copies, in this
+process, on a matmul small enough to be quick (n = 128) yet far slower to compute than to copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+from runtime_helpers import make_settings
+
+from genome import Genome
+from runtime.cascade import WorkerContext, evaluate
+from runtime.executor import EvalRequest
+from runtime.result import Status
+from runtime.settings import TaskSpec
+from runtime.task import load_task_class
+from runtime.timing import TimingLock
+
+SPEC = TaskSpec(name="matmul", args={"m": 128, "n": 128, "k": 128})
+SIGNATURE = "void kernel(int M, int N, int K, const float *A, const float *B, float *C)"
+PRELUDE = "#include <stdlib.h>\n#include <string.h>\n"
+COMPUTE = """
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) s += A[i * K + k] * B[k * N + j];
+            C[i * N + j] = s;
+        }
+"""
+HONEST = f"{SIGNATURE} {{{COMPUTE}}}\n"
+
+# Remembers the output of the buffers it was called on; copies it when called on the same buffers again.
+BY_ADDRESS = PRELUDE + f"""
+static const float *seen_a, *seen_b;
+static float *saved;
+{SIGNATURE} {{
+    size_t bytes = sizeof(float) * (size_t)M * N;
+    if (saved && A == seen_a && B == seen_b) {{ memcpy(C, saved, bytes); return; }}
+{COMPUTE}
+    free(saved); saved = malloc(bytes); memcpy(saved, C, bytes); seen_a = A; seen_b = B;
+}}
+"""
+
+# Remembers the output for inputs it has seen, keyed on a few of their values.
+BY_CONTENT = PRELUDE + f"""
+static float key[4];
+static float *saved;
+{SIGNATURE} {{
+    size_t bytes = sizeof(float) * (size_t)M * N;
+    float now[4] = {{A[0], A[M * K - 1], B[0], B[K * N - 1]}};
+    if (saved && memcmp(now, key, sizeof now) == 0) {{ memcpy(C, saved, bytes); return; }}
+{COMPUTE}
+    free(saved); saved = malloc(bytes); memcpy(saved, C, bytes); memcpy(key, now, sizeof now);
+}}
+"""
+
+
+@pytest.fixture(scope="module")
+def ctx(workdir):
+    os.makedirs(os.path.join(workdir, "cache"), exist_ok=True)
+    lock = TimingLock(os.path.join(workdir, "timing.lock"))
+    yield WorkerContext(cache_dir=os.path.join(workdir, "cache"), work_dir=workdir, lock=lock)
+    lock.close()
+
+
+def _eval(workdir, ctx, source: str, **kw):
+    g = Genome(source=source)
+    settings = make_settings(workdir).model_copy(update={"check_trials": 1})
+    settings = settings.model_copy(update={"timing": settings.timing.model_copy(update={"max_seconds": 0.3})})
+    req = EvalRequest(key=g.id, genome=g, task=SPEC, settings=settings, cache_dir=os.path.join(workdir, "cache"), **kw)
+    return evaluate(req, load_task_class(SPEC.name)(SPEC.args), ctx)
+
+
+def test_memoising_by_address_is_wrong_on_the_first_round_of_fresh_inputs(workdir, ctx):
+    honest = _eval(workdir, ctx, HONEST)
+    assert honest.status is Status.OK, honest.error
+    r = _eval(workdir, ctx, BY_ADDRESS)
+    assert r.status is Status.WRONG and "on a timed call with fresh inputs" in r.error, r
+    assert r.fitness is None
+
+
+def test_memoising_by_content_gains_nothing(workdir, ctx):
+    honest, cheat = _eval(workdir, ctx, HONEST), _eval(workdir, ctx, BY_CONTENT)
+    assert honest.status is Status.OK and cheat.status is Status.OK, (honest.error, cheat.error)
+    # copying a remembered answer would be ~100x faster; computing it again each round is the honest speed
+    assert cheat.fitness < 1.5 * honest.fitness, (cheat.fitness, honest.fitness)
+    assert cheat.metrics["flagged"] is False
+
+
+def test_a_memoising_challenger_loses_its_duel(workdir, ctx):
+    rival = Genome(source=HONEST)
+    r = _eval(workdir, ctx, BY_ADDRESS, stages="duel", rival=rival)
+    assert r.status is Status.WRONG and "on a timed call with fresh inputs" in r.error, r
+    c = _eval(workdir, ctx, BY_CONTENT, stages="duel", rival=rival)
+    assert c.status is Status.OK and c.metrics["duel_ratio"] < 1.5, c.metrics
+    assert dataclasses.is_dataclass(c)
