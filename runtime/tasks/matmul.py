@@ -87,10 +87,19 @@ class Matmul(KernelTask):
         return {"m": self.args.m, "n": self.args.n, "k": self.args.k}
 
     def check_cases(self, rng: np.random.Generator) -> list[Case]:
-        """Fixed tiny and odd shapes (no tile divides them), plus three drawn up to 200."""
+        """Fixed tiny and odd shapes (no tile divides them), three drawn up to 200, and two drawn across the
+        domain up to the timed shape: rows odd in its upper half, and even anywhere. A kernel must be right at
+        every size it may be called at, not only at the small checked ones and the timed one."""
         fixed = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (127, 129, 131), (3, 200, 1)]
         drawn = [tuple(int(v) for v in rng.integers(1, 201, size=3)) for _ in range(3)]
-        return [{"m": m, "n": n, "k": k} for m, n, k in fixed + drawn]
+        a = self.args
+        across = []
+        for parity, low in ((1, max(1, a.m // 2)), (0, 1)):
+            m = int(rng.integers(low, a.m + 1))
+            if m % 2 != parity:
+                m = m + 1 if m < a.m else m - 1
+            across.append((max(m, 1), int(rng.integers(1, a.n + 1)), int(rng.integers(1, a.k + 1))))
+        return [{"m": m, "n": n, "k": k} for m, n, k in fixed + drawn + across]
 
     def inputs(self, case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
         return {

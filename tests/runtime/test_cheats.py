@@ -1,5 +1,8 @@
 """Cheating kernels, written as a model looking for holes in the evaluator would write them.
 
+Correct beyond the check set: a kernel right at the timed shape and at small ones, but wrong at other sizes
+it may be called at, is ``wrong``.
+
 Memoisation: every timed round sees fresh inputs, and its outputs are checked against the reference's on
 the same inputs, so a kernel that remembers an answer gains nothing (keyed on content) or is ``wrong``
 (keyed on its buffers' addresses). Each cheat is run beside the honest kernel it copies, in this
@@ -99,4 +102,27 @@ def test_a_memoising_challenger_loses_its_duel(workdir, ctx):
     assert r.status is Status.WRONG and "on a timed call with fresh inputs" in r.error, r
     c = _eval(workdir, ctx, BY_CONTENT, stages="duel", rival=rival)
     assert c.status is Status.OK and c.metrics["duel_ratio"] < 1.5, c.metrics
-    assert dataclasses.is_dataclass(c)
+
+
+# Right at the timed shape (even) and at every shape up to 300 rows; wrong at every odd row count above.
+WRONG_AT_ODD_ROWS = f"""
+{SIGNATURE} {{
+    for (int i = 0; i < M * N; i++) C[i] = 0.0f;
+    if (M > 300 && M % 2) return;
+    for (int i = 0; i < M; i++)
+        for (int k = 0; k < K; k++)
+            for (int j = 0; j < N; j++) C[i * N + j] += A[i * K + k] * B[k * N + j];
+}}
+"""
+
+
+def test_a_kernel_wrong_beyond_the_small_check_shapes_is_wrong(workdir, ctx):
+    spec = TaskSpec(name="matmul", args={"m": 1024, "n": 32, "k": 32})
+    task = load_task_class(spec.name)(spec.args)
+    g = Genome(source=WRONG_AT_ODD_ROWS)
+    req = EvalRequest(key=g.id, genome=g, task=spec, settings=make_settings(workdir),
+                      cache_dir=os.path.join(workdir, "cache"), stages="check")
+    r = evaluate(req, task, ctx)
+    assert r.status is Status.WRONG and "'m': " in r.error, r
+    honest = evaluate(dataclasses.replace(req, genome=Genome(source=HONEST), key="honest"), task, ctx)
+    assert honest.status is Status.OK, honest.error
