@@ -134,13 +134,6 @@ class Instance:
         for name in self.outputs:
             poison(self.arrays[name])
 
-    def verify_written(self) -> None:
-        """Cheap check after a timed call: no poisoned (NaN) value is left in a float output."""
-        for name in self.outputs:
-            out, expected = self.arrays[name], self.expected[name]
-            if np.issubdtype(out.dtype, np.floating) and np.isnan(out).any() and not np.isnan(expected).any():
-                raise Failure(Status.WRONG, f"left output {name!r} unwritten on a timed call, case {self.case}")
-
     def verify_integrity(self) -> None:
         for name, raw in self.raws.items():
             if not guards_intact(raw):

@@ -1,4 +1,4 @@
-"""Fixtures of the runtime tests: a module-wide pool and its working directory."""
+"""Fixtures of the runtime tests: a working directory, an in-process worker context, a sandboxed pool."""
 
 from __future__ import annotations
 
@@ -7,12 +7,23 @@ from collections.abc import Iterator
 
 import pytest
 
+from runtime.backends import WorkerContext
 from runtime.pool import LocalPool
+from runtime.timing import TimingLock
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("runtime"))
+
+
+@pytest.fixture(scope="module")
+def ctx(workdir: str) -> Iterator[WorkerContext]:
+    """What a worker holds, for evaluations run in this process (benign or hostile kernels alike)."""
+    os.makedirs(os.path.join(workdir, "cache"), exist_ok=True)
+    lock = TimingLock(os.path.join(workdir, "timing.lock"))
+    yield WorkerContext(cache_dir=os.path.join(workdir, "cache"), work_dir=workdir, lock=lock)
+    lock.close()
 
 
 @pytest.fixture(scope="module")

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import pytest
 from runtime_helpers import CORRECT, VECADD, kernel, make_settings, request
 
 from runtime.backends.kernels import GUARD_BYTES, guarded_empty
-from runtime.cascade import WorkerContext, evaluate
+from runtime.cascade import evaluate
 from runtime.result import Status
 from runtime.task import load_task_class
-from runtime.timing import TimingLock
-
-
-@pytest.fixture(scope="module")
-def ctx(workdir):
-    os.makedirs(os.path.join(workdir, "cache"), exist_ok=True)
-    lock = TimingLock(os.path.join(workdir, "timing.lock"))
-    yield WorkerContext(cache_dir=os.path.join(workdir, "cache"), work_dir=workdir, lock=lock)
-    lock.close()
 
 
 @pytest.fixture(scope="module")

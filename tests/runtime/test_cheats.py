@@ -14,16 +14,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import pytest
 from runtime_helpers import make_settings
 
 from genome import Genome
-from runtime.cascade import WorkerContext, evaluate
+from runtime.cascade import evaluate
 from runtime.executor import EvalRequest
 from runtime.result import Status
 from runtime.settings import TaskSpec
 from runtime.task import load_task_class
-from runtime.timing import TimingLock
 
 SPEC = TaskSpec(name="matmul", args={"m": 128, "n": 128, "k": 128})
 SIGNATURE = "void kernel(int M, int N, int K, const float *A, const float *B, float *C)"
@@ -62,14 +60,6 @@ static float *saved;
     free(saved); saved = malloc(bytes); memcpy(saved, C, bytes); memcpy(key, now, sizeof now);
 }}
 """
-
-
-@pytest.fixture(scope="module")
-def ctx(workdir):
-    os.makedirs(os.path.join(workdir, "cache"), exist_ok=True)
-    lock = TimingLock(os.path.join(workdir, "timing.lock"))
-    yield WorkerContext(cache_dir=os.path.join(workdir, "cache"), work_dir=workdir, lock=lock)
-    lock.close()
 
 
 def _eval(workdir, ctx, source: str, **kw):
