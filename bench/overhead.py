@@ -41,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--k", type=int, default=50, help="candidates")
     ap.add_argument("--n", type=int, default=4096, help="vecadd size of the full case")
+    ap.add_argument("--each", action="store_true", help="print every candidate's timings")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="evoforge-bench-")
     settings = EvalSettings.model_validate({"timing": {"lock_file": os.path.join(tmp, "timing.lock")}})
@@ -63,6 +64,11 @@ def main() -> None:
                     inside.append(t["overhead_s"])
                     end_to_end.append(wall - t["calls_s"] - t.get("lock_wait_s", 0.0))
                     calls.append(t["calls_s"])
+                    if args.each:
+                        m = got[1].metrics
+                        print(" ".join(f"{k}={v * 1e3:.2f}ms" for k, v in t.items()),
+                              f"rounds={m.get('n_repeats')} calls/request={m.get('calls_per_request')} "
+                              f"uncertainty={m.get('rel_uncertainty')}")  # fmt: skip
     shutil.rmtree(tmp, ignore_errors=True)
     ms = 1e3
     print(f"{args.k} cached vecadd candidates (n={args.n}), 1 worker; time inside kernel/reference calls: "

@@ -21,6 +21,7 @@ from genome import canonical_json
 from runtime.backends import WorkerContext, backend_for
 from runtime.cascade import evaluate
 from runtime.hardware import fingerprint
+from runtime.host import make_undumpable
 from runtime.result import EvalResult, Status
 from runtime.sandbox import WorkerProfile, arm_cpu_limit, enter_sandbox
 from runtime.settings import TaskSpec
@@ -89,11 +90,14 @@ def _prepare(init: dict[str, Any], tasks: _Tasks) -> WorkerContext:
     lock = TimingLock(profile.lock_file)
     parent = os.getppid()
     enter_sandbox(profile.limits, init["ids"])
+    make_undumpable()  # candidate hosts run as this user: none may read this process's memory
     # Die with the controller (set after the drop: changing credentials clears it).
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
         sys.exit(0)
-    return WorkerContext(cache_dir=f"/proc/self/fd/{cache_fd}", work_dir=os.getcwd(), lock=lock, hardware=hardware)
+    ctx = WorkerContext(cache_dir=f"/proc/self/fd/{cache_fd}", work_dir=os.getcwd(), lock=lock, hardware=hardware)
+    ctx.hosts()  # forked now, before any evaluation: a candidate's host inherits nothing of one
+    return ctx
 
 
 def main(argv: list[str]) -> int:

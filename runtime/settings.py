@@ -45,6 +45,10 @@ class TimingSettings(_Model):
         0.02, gt=0, description="stop once the median's relative uncertainty is below this"
     )
     max_seconds: float = Field(2.0, gt=0, description="time cap of the timing stage (both functions)")
+    overhead_budget_s: float = Field(
+        0.005, gt=0, description="after min_repeats, stop once the time outside the timed calls (fresh inputs, "
+        "checks) exceeds this plus twice the time inside them: microsecond kernels are not worth more"
+    )  # fmt: skip
     core: int | None = Field(None, description="core the timing worker is pinned to (default: the last allowed)")
     lock_file: str = Field(
         "/tmp/evoforge-timing.lock", description="machine-wide lock serialising the timing stage of all workers"

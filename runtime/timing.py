@@ -4,7 +4,10 @@ Stopping rule. After ``warmup`` untimed calls of each function, candidate and re
 alternately (the order flips every round, so neither always runs on a cache warmed by the other) and
 each call is timed with ``perf_counter_ns``. Timing stops when, for both functions, the relative
 uncertainty of the median is below ``target_rel_spread`` (and at least ``min_repeats`` were taken), or
-after ``max_repeats`` rounds, or once ``max_seconds`` have passed (at least one round always runs);
+after ``max_repeats`` rounds, or once ``max_seconds`` have passed (at least one round always runs),
+or, after ``min_repeats``, once the time spent outside the timed calls (the fresh inputs written and the
+outputs checked between them) exceeds ``overhead_budget_s`` plus twice the time inside them: a
+microsecond kernel then ends with the uncertainty it reached, which the result records;
 the uncertainty is checked at ``min_repeats`` rounds and every 4th round after.
 The uncertainty is the half-width of the boxplot notch, ``1.58 * IQR / sqrt(n)``, divided by the
 median: a robust ~95% interval of the median that ignores the outliers a noisy machine produces.
@@ -17,7 +20,7 @@ import fcntl
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from runtime.result import TimingStats
@@ -55,9 +58,10 @@ class TimingLock:
 
 
 @contextlib.contextmanager
-def pinned(core: int | None, count: int = 1) -> Iterator[set[int]]:
-    """Pins every thread of this process to ``count`` cores, from ``core`` on (default: the last allowed
-    ones), and restores each thread's affinity after. Yields the cores."""
+def pinned(core: int | None, count: int = 1, *, also: Sequence[int] = ()) -> Iterator[set[int]]:
+    """Pins every thread of this process, and of the processes ``also`` (a candidate's host), to ``count``
+    cores, from ``core`` on (default: the last allowed ones), and restores each thread's affinity after.
+    Yields the cores."""
     allowed = sorted(os.sched_getaffinity(0))
     count = max(1, min(count, len(allowed)))
     if core is None:
@@ -66,7 +70,7 @@ def pinned(core: int | None, count: int = 1) -> Iterator[set[int]]:
         later = [c for c in allowed if c >= core]
         target = set(later[:count]) if len(later) >= count else set(allowed[-count:])
     before: dict[int, set[int]] = {}
-    for tid in _threads():
+    for tid in [*_threads(), *(t for pid in also for t in _threads(pid))]:
         with contextlib.suppress(OSError):  # a thread may end meanwhile
             before[tid] = os.sched_getaffinity(tid)
             os.sched_setaffinity(tid, target)
@@ -78,11 +82,11 @@ def pinned(core: int | None, count: int = 1) -> Iterator[set[int]]:
                 os.sched_setaffinity(tid, cpus)
 
 
-def _threads() -> list[int]:
+def _threads(pid: int | str = "self") -> list[int]:
     try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
-        return [0]
+        return [0] if pid == "self" else []
 
 
 def relative_uncertainty(samples: list[float]) -> float:
@@ -141,6 +145,7 @@ def time_interleaved(
     ref: list[float] = []
     deadline = start + int(settings.max_seconds * 1e9)
     pair = ((candidate, cand), (reference, ref))
+    loop_start, inside = clock(), 0  # ns spent in the timed calls (a timer's own work included)
     for i in range(settings.max_repeats):
         if round_start is not None:
             round_start()
@@ -148,17 +153,22 @@ def time_interleaved(
             is_candidate = fn is candidate
             if is_candidate and before is not None:
                 before()
+            t0 = clock()
             if timer is None:
-                t0 = clock()
                 fn()
                 out.append((clock() - t0) * 1e-9)
             else:
                 out.append(timer(fn))
+            inside += clock() - t0
             if is_candidate and after is not None:
                 after()
         if round_end is not None:
             round_end()
-        if clock() >= deadline:
+        now = clock()
+        if now >= deadline:
+            break
+        outside = (now - loop_start - inside) * 1e-9
+        if i + 1 >= settings.min_repeats and outside > settings.overhead_budget_s + 2e-9 * inside:
             break
         if (
             i + 1 >= settings.min_repeats

@@ -41,6 +41,8 @@ from runtime.timing import TimingLock
 if TYPE_CHECKING:
     import numpy as np
 
+    from runtime.host import HostTemplate
+
 __all__ = [
     "STAGES",
     "Backend",
@@ -76,6 +78,21 @@ class WorkerContext:
     work_dir: str | None
     lock: TimingLock | None
     hardware: dict[str, Any] | None = None
+    template: HostTemplate | None = None  # what candidate hosts are forked from (started on first use)
+
+    def hosts(self) -> HostTemplate:
+        """The clean template candidate hosts are forked from; a worker starts it before its first
+        evaluation (:mod:`runtime.host`), and a new one replaces it if it died."""
+        if self.template is None or not self.template.alive():
+            from runtime.host import HostTemplate
+
+            self.template = HostTemplate()
+        return self.template
+
+    def close(self) -> None:
+        if self.template is not None:
+            self.template.close()
+            self.template = None
 
 
 class Failure(Exception):

@@ -7,8 +7,12 @@ This is the example to copy for a new backend: a :class:`Backend` with ``compile
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,12 +30,14 @@ from runtime.backends.base import (
     RunsGivenInputs,
     WorkerContext,
 )
-from runtime.backends.kernels import CallClock, Instance, compare, compare_sampled, fresh_rng, timing_metrics
+from runtime.backends.kernels import CallClock, Instance, compare, fresh_rng, timing_metrics
+from runtime.backends.ring import Ring
+from runtime.host import CandidateHost, HostDied
 from runtime.result import Status
 from runtime.settings import EvalSettings
 from runtime.task import Case, KernelTask
 from runtime.timing import pinned, time_interleaved
-from runtime.toolchain.cc import CKernel, CompileError, CompilerNotFound, compile_source, compiler_version, load_kernel
+from runtime.toolchain.cc import CompileError, CompilerNotFound, compile_source, compiler_version
 
 __all__ = ["CBackend", "CProgram", "compile_kernel", "prime_kernel_task"]
 
@@ -65,133 +71,295 @@ def prime_kernel_task(task: KernelTask) -> None:
     task.work(case)
 
 
-def _prepared(task: KernelTask, clock: CallClock, case: Case, given: Mapping[str, np.ndarray] | None = None,
-              ) -> Instance:
-    """Fresh inputs for ``case`` (or ``given``) in guarded buffers, with the reference's outputs."""
-    inst = Instance.fresh(task, case, given)
-    inst.guard(task)
-    inst.expect(task, clock)
-    return inst
+_SAMPLE_S = 5e-5  # a timed request lasts about this long at least (several calls, each on its own inputs)
+_MAX_RING = 16
+_RING_BYTES = 64 << 20
+_IDLE_SLACK_NS = 1_000_000  # CPU a host may use outside its calls over a timing (its wake-ups), plus 1%
+
+
+def _pin_near(pid: int, threads: int) -> None:
+    """Pins every thread of ``pid`` to the core this process runs on now (``threads`` cores from it)."""
+    cpu = ctypes.CDLL(None).sched_getcpu()
+    allowed = sorted(os.sched_getaffinity(0))
+    if cpu < 0 or cpu not in allowed:
+        return
+    cores = set((allowed[allowed.index(cpu):] + allowed)[: max(1, threads)])
+    with contextlib.suppress(OSError):  # the host may be gone already: its next request says how
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), cores)
+
+
+@contextlib.contextmanager
+def _in_host(settings: EvalSettings) -> Iterator[None]:
+    """The kernel's process died: a crash (with its signal), or a timeout when the CPU limit killed it."""
+    try:
+        yield
+    except HostDied as exc:
+        if exc.signal_name == "SIGXCPU":
+            raise Failure(Status.TIMEOUT, f"CPU time limit of {settings.sandbox.cpu_seconds} s hit") from None
+        raise Failure(Status.CRASH, str(exc)) from None
+
+
+@dataclass
+class _Calls:
+    """The timed requests of one host over a ring: one call per instance each."""
+
+    program: CProgram
+    handles: list[int]
+    cpu_ns: int = 0  # CPU the host used inside the requests
+    wall_s: float = 0.0
+
+    def __call__(self) -> float:
+        """Seconds per call over one request (this process's clock, less the round trip)."""
+        t0 = time.perf_counter()
+        try:
+            seconds, cpu = self.program.host.call_many(self.handles)
+        finally:
+            spent = time.perf_counter() - t0
+            self.program.clock.calls += spent
+            self.wall_s += spent
+        self.cpu_ns += cpu
+        return seconds / len(self.handles)
+
+    def idle_between(self, cpu_before: int, what: str) -> None:
+        """The host used no CPU outside its requests since ``cpu_before``: a candidate that computes ahead
+        while inputs are written, or slows the reference or a rival meanwhile, is ``invalid``."""
+        outside = self.program.host.cpu_ns() - cpu_before - self.cpu_ns
+        if outside > _IDLE_SLACK_NS + 0.01 * self.cpu_ns:
+            raise Failure(Status.INVALID, f"used {outside / 1e6:.1f} ms of CPU outside its calls while {what} was "
+                          f"timed ({self.cpu_ns / 1e6:.1f} ms in them)")  # fmt: skip
 
 
 class CProgram(Program, RunsGivenInputs, Duels):
-    """A loaded C kernel and the task it is checked against."""
+    """A C kernel loaded in its own :class:`runtime.host.CandidateHost`, and the task it is checked against.
 
-    def __init__(self, task: KernelTask, kernel: CKernel, settings: EvalSettings, ctx: WorkerContext) -> None:
-        self.task, self.kernel, self.settings, self.ctx = task, kernel, settings, ctx
+    Inputs and outputs sit in shared memory; the inputs' copies the reference reads, the expected
+    outputs and the clock stay in this process, out of the host's reach. Every timed round writes fresh
+    inputs first, and every call's output is checked against the reference's on elements chosen after it.
+    """
+
+    def __init__(self, task: KernelTask, host: CandidateHost, settings: EvalSettings, ctx: WorkerContext) -> None:
+        self.task, self.host, self.settings, self.ctx = task, host, settings, ctx
         self.clock = CallClock()
         self._full: Instance | None = None  # the full case of the last check: what is timed
+        self._call_s = 1e-3  # seconds of the last checked call
+        # The host runs only while this process waits on it: on this process's core, a request costs a few
+        # microseconds instead of a cross-core wake-up (tens). This process stays free to move (another
+        # worker may need the core); the timing stage pins both to its own core.
+        _pin_near(host.pid, task.args.threads)
 
     @property
     def calls_s(self) -> float:  # type: ignore[override]
         return self.clock.calls
 
-    def _call(self, inst: Instance) -> None:
-        call = self.kernel.bind(self.task.kernel_args(inst.case, inst.arrays))
-        inst.poison()
-        self.clock.run(call)
-        inst.verify_integrity()
+    # --- instances in shared memory ---------------------------------------------------------------
 
-    def _check_case(self, case: Case) -> Instance:
-        inst = _prepared(self.task, self.clock, case)
-        self._call(inst)
-        compare(self.task, inst)
+    def _prepared(self, case: Case, given: Mapping[str, np.ndarray] | None = None) -> Instance:
+        """Fresh inputs for ``case`` (or ``given``) in guarded shared buffers, with the reference's outputs."""
+        inst = Instance.fresh(self.task, case, given)
+        inst.guard(self.task, self.host.alloc)
+        inst.expect(self.task, self.clock)
         return inst
 
+    def _bind(self, inst: Instance) -> int:
+        try:
+            return self.host.bind(self.task.kernel_args(inst.case, inst.arrays))
+        except TypeError as exc:
+            raise Failure(Status.INVALID, f"the task's kernel arguments cannot be passed: {exc}") from None
+
+    def _call(self, inst: Instance) -> float:
+        handle = self._bind(inst)
+        inst.poison()
+        t0 = time.perf_counter()
+        try:
+            seconds, _ = self.host.call_many((handle,))
+        finally:
+            self.clock.calls += time.perf_counter() - t0
+        inst.verify_integrity()
+        return seconds
+
+    def _check_case(self, case: Case, *, keep: bool = False) -> Instance:
+        mark = self.host.mark()
+        inst = self._prepared(case)
+        self._call_s = self._call(inst)
+        compare(self.task, inst)
+        if not keep:
+            self.host.release(mark)
+        return inst
+
+    def _clean(self) -> None:
+        """Nothing of the candidate may run between its calls: no thread beyond the task's, no process."""
+        allowed = max(1, self.task.args.threads)
+        if (n := self.host.threads()) > allowed:
+            raise Failure(Status.INVALID, f"left {n - 1} thread(s) running beside its own (threads: {allowed})")
+        if kids := self.host.children():
+            raise Failure(Status.INVALID, f"left {len(kids)} process(es) running")
+
+    def _ring(self, like: Instance, size: int) -> tuple[Ring, _Calls]:
+        """``size`` instances of ``like``'s case in this host's memory, and the requests calling each once."""
+        ring = Ring(self.task, like, size, self.host.alloc)
+        try:
+            handles = [self.host.bind(self.task.kernel_args(ring.case, ring.arrays(j))) for j in range(size)]
+        except TypeError as exc:
+            raise Failure(Status.INVALID, f"the task's kernel arguments cannot be passed: {exc}") from None
+        return ring, _Calls(self, handles)
+
+    def _probe(self, inst: Instance) -> None:
+        """Seconds of one call on ``inst``, over a short request (for the ring's size only, never a fitness)."""
+        handle = self._bind(inst)
+        seconds, _ = self.host.call_many((handle,) * 4)
+        self._call_s = seconds / 4
+        inst.verify_integrity()
+
+    def _ring_size(self, inst: Instance) -> int:
+        """Calls per timed request: enough that one lasts ~0.2 ms, so the round trip to the host (a few
+        microseconds, calibrated and subtracted) hardly matters; at most 64, and 64 MB of buffers."""
+        nbytes = sum(raw.nbytes for raw in inst.raws.values())
+        by_time = int(_SAMPLE_S / max(self._call_s, 1e-9))
+        return max(1, min(_MAX_RING, by_time, _RING_BYTES // max(nbytes, 1)))
+
+    # --- stages -----------------------------------------------------------------------------------
+
     def check(self, trials: int) -> dict[str, Any]:
-        for _ in range(trials):
-            for case in self.task.check_cases(fresh_rng()[1]):
-                self._check_case(case)
-        self._full = self._check_case(self.task.full_case())
+        with _in_host(self.settings):
+            for _ in range(trials):
+                for case in self.task.check_cases(fresh_rng()[1]):
+                    self._check_case(case)
+            self._full = self._check_case(self.task.full_case(), keep=True)
+            self._clean()
         return {}
 
     def time(self) -> Measurement:
-        task, inst, timing = self.task, self._full, self.settings.timing
-        assert inst is not None, "time() follows check()"
+        with _in_host(self.settings):
+            return self._time()
+
+    def _time(self) -> Measurement:
+        task, timing, host = self.task, self.settings.timing, self.host
+        assert self._full is not None, "time() follows check()"
         t0 = time.perf_counter()
-        call = self.kernel.bind(task.kernel_args(inst.case, inst.arrays))
-        ref_out = {name: np.empty_like(a) for name, a in inst.expected.items()}
         rng = fresh_rng()[1]
+        ring: Ring
+        candidate: _Calls
 
-        def reference() -> None:
-            task.reference(inst.case, inst.inputs, ref_out)
+        def reference() -> None:  # on the worker's own copies of the inputs
+            ring.compute_expected()
 
-        def round_end() -> None:  # this round's output, against the reference's on the same inputs
-            inst.verify_integrity()
-            compare_sampled(task, inst, ref_out, rng)
+        def timer(fn: Callable[[], object]) -> float:
+            if fn is candidate:
+                ring.load()
+                return candidate()
+            t = time.perf_counter()
+            reference()
+            spent = time.perf_counter() - t
+            self.clock.calls += spent
+            return spent / ring.size
 
         timings: dict[str, float] = {}
         with Failure.timed(timings):
-            with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads) as cores:  # type: ignore[union-attr]
+            with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads, also=[host.pid]) as cores:  # type: ignore[union-attr]
                 timings["lock_wait_s"] = waited
-                try:  # fresh inputs every round: a kernel never sees the same inputs twice (no memoisation)
-                    run = time_interleaved(call, reference, timing, round_start=lambda: inst.refill(task, rng),
-                                           round_end=round_end)  # fmt: skip
+                host.calibrate()
+                self._probe(self._full)
+                ring, candidate = self._ring(self._full, self._ring_size(self._full))
+                ring.draw(rng)
+                ring.load()
+                cpu0 = host.cpu_ns()
+                try:
+                    run = time_interleaved(candidate, reference, timing, timer=timer,
+                                           round_start=lambda: ring.draw(rng),
+                                           round_end=lambda: ring.verify(rng))  # fmt: skip
                 finally:
                     timings["time_s"] = time.perf_counter() - t0 - waited
-        self.clock.calls += run.call_seconds
+                candidate.idle_between(cpu0, "the reference")
         with Failure.timed(timings):
-            for name in inst.outputs:  # the last round's output, in full
-                inst.expected[name][...] = ref_out[name]
-            compare(task, inst)
-        fitness, metrics = timing_metrics(run, task.work(inst.case))
-        return Measurement(fitness, {**metrics, "cores": sorted(cores)}, timings)
+            compare(task, ring.instance(0))  # the last timed call's output, in full
+            self._clean()
+        fitness, metrics = timing_metrics(run, task.work(ring.case))
+        metrics.update(cores=sorted(cores), calls_per_request=ring.size, round_trip_s=host.round_trip_s,
+                       cpu_per_wall=candidate.cpu_ns * 1e-9 / max(candidate.wall_s, 1e-12))  # fmt: skip
+        return Measurement(fitness, metrics, timings)
 
     def confirm(self) -> None:
-        self._check_case(self.task.full_case())
+        with _in_host(self.settings):
+            self._check_case(self.task.full_case())
 
     def run(self, case: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> tuple[Outputs, str | None]:
-        inst = _prepared(self.task, self.clock, dict(case), given=inputs)
-        self._call(inst)
-        try:
-            compare(self.task, inst)
-            mismatch = None
-        except Failure as exc:
-            mismatch = str(exc)
-        return {name: inst.arrays[name].copy() for name in inst.outputs}, mismatch
+        with _in_host(self.settings):
+            inst = self._prepared(dict(case), given=inputs)
+            self._call(inst)
+            try:
+                compare(self.task, inst)
+                mismatch = None
+            except Failure as exc:
+                mismatch = str(exc)
+            outputs = {name: inst.arrays[name].copy() for name in inst.outputs}
+        return outputs, mismatch
 
     def duel(self, open_rival: Callable[[], Program]) -> Measurement:
         rival = open_rival()
         assert isinstance(rival, CProgram)
+        with _in_host(self.settings):
+            return self._duel(rival)
+
+    def _duel(self, rival: CProgram) -> Measurement:
         task, timing = self.task, self.settings.timing
         full_case = task.full_case()
-        mine = self._check_case(full_case)
-        theirs = _prepared(task, self.clock, full_case, given=mine.inputs)
-        call = self.kernel.bind(task.kernel_args(full_case, mine.arrays))
-        rival_call = rival.kernel.bind(task.kernel_args(full_case, theirs.arrays))
+        mine = self._check_case(full_case, keep=True)
         rng = fresh_rng()[1]
+        ring: Ring
+        rival_ring: Ring
+        call: _Calls
+        rival_call: _Calls
 
         def round_start() -> None:  # fresh inputs every round, the same for both
-            mine.refill(task, rng)
-            for name, arr in mine.inputs.items():
-                theirs.inputs[name] = arr
-                theirs.arrays[name][...] = arr
-            theirs.poison()
+            ring.draw(rng)
+            rival_ring.draw(rng, like=ring)
 
         def round_end() -> None:  # the rival, the best so far, is the yardstick of the challenger's outputs
-            mine.verify_integrity()
-            compare_sampled(task, mine, {n: theirs.arrays[n] for n in mine.outputs}, rng)
+            rival_outputs = {n: rival_ring.blocks[n].flat for n in rival_ring.outputs}
+            rival_ring.verify(rng, rival_outputs, k=0)  # its guards and inputs
+            ring.verify(rng, rival_outputs)
+
+        def timer(fn: Callable[[], object]) -> float:
+            if fn is call:
+                ring.load()
+                return call()
+            rival_ring.load()
+            return rival_call()
 
         t0 = time.perf_counter()
+        hosts = [self.host.pid, rival.host.pid]
         timings: dict[str, float] = {}
         with Failure.timed(timings):
-            with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads):  # type: ignore[union-attr]
+            with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads, also=hosts):  # type: ignore[union-attr]
                 timings["lock_wait_s"] = waited
+                self.host.calibrate()
+                rival.host.calibrate()
+                self._probe(mine)
+                size = self._ring_size(mine)
+                (ring, call), (rival_ring, rival_call) = self._ring(mine, size), rival._ring(mine, size)
+                round_start()
+                ring.load()
+                rival_ring.load()
+                cpu0, rival_cpu0 = self.host.cpu_ns(), rival.host.cpu_ns()
                 try:
-                    run = time_interleaved(call, rival_call, timing, round_start=round_start, round_end=round_end)
+                    run = time_interleaved(call, rival_call, timing, timer=timer, round_start=round_start,
+                                           round_end=round_end)  # fmt: skip
                 finally:
                     timings["time_s"] = time.perf_counter() - t0 - waited
-        self.clock.calls += run.call_seconds
+                call.idle_between(cpu0, "its rival")
+                rival_call.idle_between(rival_cpu0, "the challenger")
         with Failure.timed(timings):
-            mine.expect(task, self.clock)  # the last round's inputs, in full
-            compare(task, mine)
+            ring.compute_expected()  # the last round's inputs, against the reference, in full
+            compare(task, ring.instance(0))
+            self._clean()
         median = max(run.candidate.median, 1e-12)
         metrics = {"duel_ratio": run.reference.median / median, "time_median_s": median,
                    "rival_time_median_s": run.reference.median, "n_repeats": run.candidate.n}  # fmt: skip
         return Measurement(task.work(full_case) / median, metrics, timings)
 
     def close(self) -> None:
-        self.kernel.close()
+        self.host.close()
 
 
 class CBackend(Backend[KernelTask]):
@@ -213,8 +381,12 @@ class CBackend(Backend[KernelTask]):
         return compile_kernel(task, genome, settings, ctx)
 
     def load(self, task: KernelTask, build: Build, settings: EvalSettings, ctx: WorkerContext) -> CProgram:
+        """Forks the candidate's own host process and loads the library there (never in this process)."""
         try:
-            kernel = load_kernel(build.artifact, task.kernel_name)
+            host = ctx.hosts().host(build.artifact, task.kernel_name, threads=task.args.threads,
+                                    cpu_seconds=settings.sandbox.cpu_seconds)  # fmt: skip
         except CompileError as exc:  # e.g. the library defines no such function
             raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
-        return CProgram(task, kernel, settings, ctx)
+        except HostDied as exc:  # a library constructor that crashes
+            raise Failure(Status.CRASH, f"{exc} while its library was loaded") from None
+        return CProgram(task, host, settings, ctx)

@@ -25,14 +25,15 @@ from runtime.timing import TimingRun
 __all__ = [
     "GUARD_BYTES",
     "SENTINEL",
+    "Alloc",
     "CallClock",
     "Instance",
     "compare",
-    "compare_sampled",
     "fresh_rng",
     "guarded_empty",
     "poison",
     "timing_metrics",
+    "within_tolerance",
 ]
 
 GUARD_BYTES = 256  # 64 floats of sentinel before and after every array the kernel sees
@@ -46,13 +47,21 @@ def fresh_rng() -> tuple[int, np.random.Generator]:
     return seed, np.random.default_rng(seed)
 
 
-def guarded_empty(shape: tuple[int, ...], dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+Alloc = Callable[[int], np.ndarray]
+"""``alloc(nbytes)``: a 64-byte-aligned uint8 block of at least ``nbytes`` (e.g. in shared memory)."""
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    block = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -block.ctypes.data % _ALIGN
+    return block[start : start + nbytes]
+
+
+def guarded_empty(shape: tuple[int, ...], dtype: Any, alloc: Alloc = _aligned) -> tuple[np.ndarray, np.ndarray]:
     """A 64-byte-aligned array between two sentinel guard zones: ``(raw bytes, the array)``."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    block = np.empty(nbytes + 2 * GUARD_BYTES + _ALIGN, np.uint8)
-    start = -block.ctypes.data % _ALIGN
-    raw = block[start : start + nbytes + 2 * GUARD_BYTES]
+    raw = alloc(nbytes + 2 * GUARD_BYTES)[: nbytes + 2 * GUARD_BYTES]
     raw[:GUARD_BYTES] = SENTINEL
     raw[-GUARD_BYTES:] = SENTINEL
     return raw, raw[GUARD_BYTES : GUARD_BYTES + nbytes].view(dtype).reshape(shape)
@@ -110,21 +119,15 @@ class Instance:
             inst.expected[name] = np.empty(shape, dtype)
         return inst
 
-    def guard(self, task: KernelTask) -> None:
-        """Guarded host copies of the inputs and guarded output buffers: what a C kernel is called on."""
+    def guard(self, task: KernelTask, alloc: Alloc = _aligned) -> None:
+        """Guarded copies of the inputs and guarded output buffers (in blocks from ``alloc``, e.g. a candidate
+        host's shared memory): what a kernel is called on. ``inputs`` stay a copy the kernel cannot reach."""
         for name, arr in self.inputs.items():
-            self.raws[name], self.arrays[name] = guarded_empty(arr.shape, arr.dtype)
+            self.raws[name], self.arrays[name] = guarded_empty(arr.shape, arr.dtype, alloc)
             self.arrays[name][...] = arr
         for name in self.outputs:
             exp = self.expected[name]
-            self.raws[name], self.arrays[name] = guarded_empty(exp.shape, exp.dtype)
-
-    def refill(self, task: KernelTask, rng: np.random.Generator) -> None:
-        """Fresh inputs, drawn now, written into the kernel's buffers; outputs poisoned."""
-        for name, arr in task.inputs(self.case, rng).items():
-            self.inputs[name] = np.ascontiguousarray(arr)
-            self.arrays[name][...] = arr
-        self.poison()
+            self.raws[name], self.arrays[name] = guarded_empty(exp.shape, exp.dtype, alloc)
 
     def expect(self, task: KernelTask, clock: CallClock) -> None:
         """Computes the expected outputs with the task's reference."""
@@ -150,11 +153,11 @@ def compare(task: KernelTask, inst: Instance) -> None:
     rtol, atol = task.tolerance(inst.case)
     for name in inst.outputs:
         got, exp = inst.arrays[name], inst.expected[name]
-        g, e = got.astype(np.float64, copy=False), exp.astype(np.float64, copy=False)
-        err = np.abs(g - e)
-        bad = ~(err <= atol + rtol * np.abs(e)) & ~(np.isnan(g) & np.isnan(e))
+        bad = ~within_tolerance(got, exp, rtol, atol)
         if not bad.any():
             continue
+        g, e = got.astype(np.float64, copy=False), exp.astype(np.float64, copy=False)
+        err = np.abs(g - e)
         nan = np.isnan(g) & ~np.isnan(e)
         if nan.any():
             where = int(np.argmax(nan))
@@ -170,24 +173,10 @@ def compare(task: KernelTask, inst: Instance) -> None:
         )
 
 
-def compare_sampled(task: KernelTask, inst: Instance, expected: Mapping[str, np.ndarray], rng: np.random.Generator,
-                    k: int = 256) -> None:
-    """After a timed call: no output left unwritten, and ``k`` elements of each output, chosen now, within
-    tolerance of ``expected`` (the reference's outputs for the same inputs); else ``wrong``."""
-    rtol, atol = task.tolerance(inst.case)
-    for name in inst.outputs:
-        got, exp = inst.arrays[name].reshape(-1), expected[name].reshape(-1)
-        if np.issubdtype(got.dtype, np.floating) and np.isnan(got).any() and not np.isnan(exp).any():
-            raise Failure(Status.WRONG, f"left output {name!r} unwritten on a timed call, case {inst.case}")
-        idx = rng.integers(0, got.size, min(k, got.size))
-        g, e = got[idx].astype(np.float64), exp[idx].astype(np.float64)
-        bad = ~(np.abs(g - e) <= atol + rtol * np.abs(e)) & ~(np.isnan(g) & np.isnan(e))
-        if bad.any():
-            j = int(np.argmax(bad))
-            where = tuple(int(i) for i in np.unravel_index(int(idx[j]), inst.arrays[name].shape))
-            raise Failure(Status.WRONG, f"wrong output {name!r} on a timed call with fresh inputs, at index {where}: "
-                          f"expected {exp[idx[j]].item()!r}, got {got[idx[j]].item()!r} ({int(bad.sum())} of "
-                          f"{idx.size} sampled elements outside rtol={rtol:g}, atol={atol:g}); case {inst.case}")
+def within_tolerance(got: np.ndarray, expected: np.ndarray, rtol: float, atol: float) -> np.ndarray:
+    """Element-wise ``|got - expected| <= atol + rtol * |expected|`` (NaN where NaN is expected counts)."""
+    g, e = got.astype(np.float64, copy=False), expected.astype(np.float64, copy=False)
+    return (np.abs(g - e) <= atol + rtol * np.abs(e)) | (np.isnan(g) & np.isnan(e))
 
 
 def timing_metrics(run: TimingRun, work: float) -> tuple[float, dict[str, Any]]:

@@ -22,7 +22,9 @@ def ctx(workdir: str) -> Iterator[WorkerContext]:
     """What a worker holds, for evaluations run in this process (benign or hostile kernels alike)."""
     os.makedirs(os.path.join(workdir, "cache"), exist_ok=True)
     lock = TimingLock(os.path.join(workdir, "timing.lock"))
-    yield WorkerContext(cache_dir=os.path.join(workdir, "cache"), work_dir=workdir, lock=lock)
+    context = WorkerContext(cache_dir=os.path.join(workdir, "cache"), work_dir=workdir, lock=lock)
+    yield context
+    context.close()
     lock.close()
 
 

@@ -36,15 +36,20 @@ COMPUTE = """
 """
 HONEST = f"{SIGNATURE} {{{COMPUTE}}}\n"
 
-# Remembers the output of the buffers it was called on; copies it when called on the same buffers again.
+# Remembers the output of every pair of buffers it was called on (up to 64); copies it when called on the
+# same buffers again.
 BY_ADDRESS = PRELUDE + f"""
-static const float *seen_a, *seen_b;
-static float *saved;
+static const float *seen_a[64], *seen_b[64];
+static float *saved[64];
+static int used;
 {SIGNATURE} {{
     size_t bytes = sizeof(float) * (size_t)M * N;
-    if (saved && A == seen_a && B == seen_b) {{ memcpy(C, saved, bytes); return; }}
+    for (int s = 0; s < used; s++)
+        if (seen_a[s] == A && seen_b[s] == B) {{ memcpy(C, saved[s], bytes); return; }}
 {COMPUTE}
-    free(saved); saved = malloc(bytes); memcpy(saved, C, bytes); seen_a = A; seen_b = B;
+    if (used < 64) {{
+        saved[used] = malloc(bytes); memcpy(saved[used], C, bytes); seen_a[used] = A; seen_b[used] = B; used++;
+    }}
 }}
 """
 
@@ -70,11 +75,11 @@ def _eval(workdir, ctx, source: str, **kw):
     return evaluate(req, load_task_class(SPEC.name)(SPEC.args), ctx)
 
 
-def test_memoising_by_address_is_wrong_on_the_first_round_of_fresh_inputs(workdir, ctx):
+def test_memoising_by_address_is_wrong(workdir, ctx):
     honest = _eval(workdir, ctx, HONEST)
     assert honest.status is Status.OK, honest.error
-    r = _eval(workdir, ctx, BY_ADDRESS)
-    assert r.status is Status.WRONG and "on a timed call with fresh inputs" in r.error, r
+    r = _eval(workdir, ctx, BY_ADDRESS)  # buffers are reused with new contents: by the checks, or each round
+    assert r.status is Status.WRONG, r
     assert r.fitness is None
 
 
@@ -89,7 +94,7 @@ def test_memoising_by_content_gains_nothing(workdir, ctx):
 def test_a_memoising_challenger_loses_its_duel(workdir, ctx):
     rival = Genome(source=HONEST)
     r = _eval(workdir, ctx, BY_ADDRESS, stages="duel", rival=rival)
-    assert r.status is Status.WRONG and "on a timed call with fresh inputs" in r.error, r
+    assert r.status is Status.WRONG, r
     c = _eval(workdir, ctx, BY_CONTENT, stages="duel", rival=rival)
     assert c.status is Status.OK and c.metrics["duel_ratio"] < 1.5, c.metrics
 
