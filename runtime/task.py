@@ -28,8 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from genome import Genome, ParamSpace, render_source
 
 __all__ = [
-    "BUILTIN_TASKS", "Case", "Descriptor", "KernelTask", "Task", "TaskArgs", "TaskLoadError", "load_task_class",
-]
+    "BUILTIN_TASKS", "VALUE_KINDS", "Case", "Descriptor", "KernelTask", "Task", "TaskArgs", "TaskLoadError",
+    "load_task_class",
+]  # fmt: skip
 
 Case = dict[str, int]
 """The sizes of one problem instance, e.g. ``{"m": 1024, "n": 1024, "k": 1024}``."""
@@ -161,14 +162,62 @@ class KernelTask(Task):
         """The C call's arguments in order: ints, floats, and arrays (inputs and outputs by name)."""
 
     def tolerance(self, case: Case) -> tuple[float, float]:
-        """``(rtol, atol)``: an element passes when ``|out - ref| <= atol + rtol * |ref|``."""
+        """``(rtol, atol)``: an element passes when ``|out - ref| <= atol + rtol * scale``, where the scale is
+        :meth:`error_scale` (by default ``|ref|``)."""
         return (1e-4, 1e-5)
+
+    def error_scale(self, case: Case, inputs: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray],
+                    ) -> Mapping[str, np.ndarray] | None:  # fmt: skip
+        """Per output, the magnitude each element's error is measured against (``None``: ``|ref|``). Where the
+        reference's own rounding depends on more than its result, say so here: a sum's error grows with its
+        terms, not with what is left after they cancel (matmul gives ``|A| @ |B|``)."""
+        return None
+
+    def value_kinds(self) -> tuple[str, ...]:
+        """The value distributions the kernel must be correct on (see :data:`VALUE_KINDS`). The checks draw
+        each of them, in turn, on the check cases; the full case and the timing see ``typical`` values.
+        The default, ``("typical",)``, is what :meth:`inputs` draws and nothing more."""
+        return ("typical",)
+
+    def inputs_of_kind(self, case: Case, rng: np.random.Generator, kind: str) -> dict[str, np.ndarray]:
+        """Inputs for ``case`` of the value distribution ``kind``: :meth:`inputs`'s, with every float array
+        reshaped to ``kind`` (integer arrays as they are). Override for a task whose inputs need care."""
+        drawn = self.inputs(case, rng)
+        if kind == "typical":
+            return drawn
+        if kind not in VALUE_KINDS:
+            raise ValueError(f"unknown value kind {kind!r}: use one of {', '.join(VALUE_KINDS)}")
+        return {name: _of_kind(np.asarray(a), rng, kind) for name, a in drawn.items()}
 
     # --- how it is measured ---------------------------------------------------------------------
 
     @abc.abstractmethod
     def work(self, case: Case) -> float:
         """Work of one call in the numerator of ``unit`` (e.g. GFLOP for GFLOP/s); fitness = work / seconds."""
+
+
+VALUE_KINDS: tuple[str, ...] = ("typical", "large", "small", "zeros", "signed_zeros", "denormals")
+"""Value distributions a kernel task may declare (:meth:`KernelTask.value_kinds`): ``typical`` is what the
+task draws; ``large`` and ``small`` scale it by 2**40 and 2**-40; ``zeros`` sets a third of the elements
+to 0; ``signed_zeros`` to -0 or +0; ``denormals`` replaces a third by subnormals of either sign."""
+
+
+def _of_kind(a: np.ndarray, rng: np.random.Generator, kind: str) -> np.ndarray:
+    if not np.issubdtype(a.dtype, np.floating):
+        return a
+    a = a.copy()
+    if kind in ("large", "small"):
+        a *= a.dtype.type(2.0 ** (40 if kind == "large" else -40))
+        return a
+    pick = rng.random(a.shape) < 1 / 3
+    if kind == "zeros":
+        a[pick] = 0
+    elif kind == "signed_zeros":
+        a[pick] = np.copysign(np.zeros(int(pick.sum()), a.dtype), rng.standard_normal(int(pick.sum())))
+    else:  # denormals: below the smallest normal, of either sign
+        tiny = np.finfo(a.dtype).smallest_normal
+        a[pick] = (rng.uniform(-1.0, 1.0, int(pick.sum())) * tiny).astype(a.dtype)
+    return a
 
 
 class TaskLoadError(ValueError):

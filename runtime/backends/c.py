@@ -1,5 +1,6 @@
-"""The C backend: a candidate is C source, compiled by the system compiler, loaded with ctypes, called on
-guarded numpy buffers and timed against the task's numpy reference on a pinned core.
+"""The C backend: a candidate is C source, compiled by the system compiler, loaded in a host process of its
+own (:mod:`runtime.host`), called there on guarded shared buffers, and timed from this process against
+the task's numpy reference on a pinned core.
 
 This is the example to copy for a new backend: a :class:`Backend` with ``compile`` and ``load``, and a
 :class:`Program` whose methods are the cascade's stages (see :mod:`runtime.backends.base`).
@@ -30,7 +31,7 @@ from runtime.backends.base import (
     RunsGivenInputs,
     WorkerContext,
 )
-from runtime.backends.kernels import CallClock, Instance, compare, fresh_rng, timing_metrics
+from runtime.backends.kernels import CallClock, Instance, check_plan, compare, fresh_rng, timing_metrics
 from runtime.backends.ring import Ring
 from runtime.host import CandidateHost, HostDied
 from runtime.result import Status
@@ -154,9 +155,11 @@ class CProgram(Program, RunsGivenInputs, Duels):
 
     # --- instances in shared memory ---------------------------------------------------------------
 
-    def _prepared(self, case: Case, given: Mapping[str, np.ndarray] | None = None) -> Instance:
-        """Fresh inputs for ``case`` (or ``given``) in guarded shared buffers, with the reference's outputs."""
-        inst = Instance.fresh(self.task, case, given)
+    def _prepared(self, case: Case, given: Mapping[str, np.ndarray] | None = None, kind: str = "typical",
+                  ) -> Instance:  # fmt: skip
+        """Fresh inputs for ``case`` of the value distribution ``kind`` (or ``given``) in guarded shared
+        buffers, with the reference's outputs."""
+        inst = Instance.fresh(self.task, case, given, kind)
         inst.guard(self.task, self.host.alloc)
         inst.expect(self.task, self.clock)
         return inst
@@ -178,9 +181,9 @@ class CProgram(Program, RunsGivenInputs, Duels):
         inst.verify_integrity()
         return seconds
 
-    def _check_case(self, case: Case, *, keep: bool = False) -> Instance:
+    def _check_case(self, case: Case, *, keep: bool = False, kind: str = "typical") -> Instance:
         mark = self.host.mark()
-        inst = self._prepared(case)
+        inst = self._prepared(case, kind=kind)
         self._call_s = self._call(inst)
         compare(self.task, inst)
         if not keep:
@@ -222,9 +225,8 @@ class CProgram(Program, RunsGivenInputs, Duels):
 
     def check(self, trials: int) -> dict[str, Any]:
         with _in_host(self.settings):
-            for _ in range(trials):
-                for case in self.task.check_cases(fresh_rng()[1]):
-                    self._check_case(case)
+            for case, kind in check_plan(self.task, trials):
+                self._check_case(case, kind=kind)
             self._full = self._check_case(self.task.full_case(), keep=True)
             self._clean()
         return {}
@@ -237,7 +239,7 @@ class CProgram(Program, RunsGivenInputs, Duels):
         task, timing, host = self.task, self.settings.timing, self.host
         assert self._full is not None, "time() follows check()"
         t0 = time.perf_counter()
-        rng = fresh_rng()[1]
+        seed, rng = fresh_rng()
         ring: Ring
         candidate: _Calls
 
@@ -272,7 +274,7 @@ class CProgram(Program, RunsGivenInputs, Duels):
                     timings["time_s"] = time.perf_counter() - t0 - waited
                 candidate.idle_between(cpu0, "the reference")
         with Failure.timed(timings):
-            compare(task, ring.instance(0))  # the last timed call's output, in full
+            compare(task, ring.instance(0, seed))  # the last timed call's output, in full
             self._clean()
         fitness, metrics = timing_metrics(run, task.work(ring.case))
         metrics.update(cores=sorted(cores), calls_per_request=ring.size, round_trip_s=host.round_trip_s,
@@ -305,7 +307,7 @@ class CProgram(Program, RunsGivenInputs, Duels):
         task, timing = self.task, self.settings.timing
         full_case = task.full_case()
         mine = self._check_case(full_case, keep=True)
-        rng = fresh_rng()[1]
+        seed, rng = fresh_rng()
         ring: Ring
         rival_ring: Ring
         call: _Calls
@@ -351,7 +353,7 @@ class CProgram(Program, RunsGivenInputs, Duels):
                 rival_call.idle_between(rival_cpu0, "the challenger")
         with Failure.timed(timings):
             ring.compute_expected()  # the last round's inputs, against the reference, in full
-            compare(task, ring.instance(0))
+            compare(task, ring.instance(0, seed))
             self._clean()
         median = max(run.candidate.median, 1e-12)
         metrics = {"duel_ratio": run.reference.median / median, "time_median_s": median,

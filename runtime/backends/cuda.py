@@ -35,7 +35,15 @@ from runtime.backends.base import (
     WorkerContext,
 )
 from runtime.backends.c import prime_kernel_task
-from runtime.backends.kernels import GUARD_BYTES, SENTINEL, CallClock, Instance, compare, fresh_rng, timing_metrics
+from runtime.backends.kernels import (
+    GUARD_BYTES,
+    SENTINEL,
+    CallClock,
+    Instance,
+    check_plan,
+    compare,
+    timing_metrics,
+)
 from runtime.cuda_task import CudaTask
 from runtime.result import Status
 from runtime.settings import EvalSettings
@@ -117,11 +125,12 @@ class CudaProgram(Program):
             b.free()
         self.buffers = {}
 
-    def _check_case(self, case: Case) -> tuple[Instance, Callable[[], None]]:
-        """Runs the kernel once on fresh inputs for ``case``; raises :class:`Failure` if it broke a rule."""
+    def _check_case(self, case: Case, kind: str = "typical") -> tuple[Instance, Callable[[], None]]:
+        """Runs the kernel once on fresh inputs for ``case`` (of the value distribution ``kind``); raises
+        :class:`Failure` if it broke a rule."""
         self._free()
         task, dev = self.task, self.dev
-        inst = Instance.fresh(task, case)
+        inst = Instance.fresh(task, case, kind=kind)
         for name in inst.outputs:
             exp = inst.expected[name]
             self.buffers[name] = dev.buffer(exp.shape, exp.dtype, guard=GUARD_BYTES, sentinel=SENTINEL)
@@ -156,9 +165,8 @@ class CudaProgram(Program):
 
     def check(self, trials: int) -> dict[str, Any]:
         with _on_the_gpu():
-            for _ in range(trials):
-                for small in self.task.check_cases(fresh_rng()[1]):
-                    self._check_case(small)
+            for small, kind in check_plan(self.task, trials):
+                self._check_case(small, kind)
             self._full = self._check_case(self.task.full_case())
         return {}
 

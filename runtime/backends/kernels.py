@@ -28,6 +28,7 @@ __all__ = [
     "Alloc",
     "CallClock",
     "Instance",
+    "check_plan",
     "compare",
     "fresh_rng",
     "guarded_empty",
@@ -104,15 +105,21 @@ class Instance:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)  # what the kernel sees (guarded)
     expected: dict[str, np.ndarray] = field(default_factory=dict)
     outputs: tuple[str, ...] = ()
+    kind: str = "typical"  # the inputs' value distribution (runtime.task.VALUE_KINDS)
+
+    def describe(self) -> str:
+        """The case, and the value distribution when it is not the typical one (for messages)."""
+        return f"case {self.case}" + ("" if self.kind == "typical" else f" with {self.kind} values")
 
     @classmethod
-    def fresh(cls, task: KernelTask, case: Case, given: Mapping[str, np.ndarray] | None = None) -> Instance:
-        """Fresh random inputs for ``case`` (or the ``given`` ones); the expected outputs allocated, not
-        computed (see :meth:`expect`)."""
+    def fresh(cls, task: KernelTask, case: Case, given: Mapping[str, np.ndarray] | None = None,
+              kind: str = "typical") -> Instance:  # fmt: skip
+        """Fresh random inputs for ``case`` of the value distribution ``kind`` (or the ``given`` ones); the
+        expected outputs allocated, not computed (see :meth:`expect`)."""
         seed, rng = fresh_rng()
-        drawn = given if given is not None else task.inputs(case, rng)
+        drawn = given if given is not None else task.inputs_of_kind(case, rng, kind)
         inputs = {k: np.ascontiguousarray(v) for k, v in drawn.items()}
-        inst = cls(case, seed, inputs)
+        inst = cls(case, seed, inputs, kind=kind)
         shapes = task.outputs(case)
         inst.outputs = tuple(shapes)
         for name, (shape, dtype) in shapes.items():
@@ -148,16 +155,30 @@ class Instance:
                 raise Failure(Status.INVALID, f"modified its inputs ({name!r}), case {self.case}")
 
 
+def check_plan(task: KernelTask, trials: int) -> list[tuple[Case, str]]:
+    """The check cases of ``trials`` fresh draws, each with the value distribution it is checked on: the
+    task's :meth:`~runtime.task.KernelTask.value_kinds` in turn, every one of them at least once."""
+    kinds = task.value_kinds()
+    plan = [case for _ in range(trials) for case in task.check_cases(fresh_rng()[1])]
+    while len(plan) < len(kinds):
+        plan.append(plan[len(plan) % max(1, len(plan))])
+    return [(case, kinds[i % len(kinds)]) for i, case in enumerate(plan)]
+
+
 def compare(task: KernelTask, inst: Instance) -> None:
-    """Raises ``wrong`` when an output of ``inst.arrays`` is outside the task's tolerance of the expected one."""
+    """Raises ``wrong`` when an output of ``inst.arrays`` is outside the task's tolerance of the expected one
+    (measured against the task's :meth:`~runtime.task.KernelTask.error_scale`)."""
     rtol, atol = task.tolerance(inst.case)
+    scales = task.error_scale(inst.case, inst.inputs, inst.expected) or {}
     for name in inst.outputs:
         got, exp = inst.arrays[name], inst.expected[name]
-        bad = ~within_tolerance(got, exp, rtol, atol)
+        scale = scales.get(name)
+        bad = ~within_tolerance(got, exp, rtol, atol, scale)
         if not bad.any():
             continue
-        g, e = got.astype(np.float64, copy=False), exp.astype(np.float64, copy=False)
-        err = np.abs(g - e)
+        with np.errstate(invalid="ignore", over="ignore"):
+            g, e = got.astype(np.float64, copy=False), exp.astype(np.float64, copy=False)
+            err = np.abs(g - e)
         nan = np.isnan(g) & ~np.isnan(e)
         if nan.any():
             where = int(np.argmax(nan))
@@ -165,18 +186,23 @@ def compare(task: KernelTask, inst: Instance) -> None:
             where = int(np.argmax(np.where(bad, np.nan_to_num(err, nan=np.inf), -1.0)))
         idx = tuple(int(i) for i in np.unravel_index(where, got.shape))
         what = "NaN in output" if nan.any() else f"max error {float(err.flat[where]):.4g} in output"
+        against = "" if scale is None else f" of the error scale {float(np.asarray(scale).flat[where]):.4g}"
         raise Failure(
             Status.WRONG,
             f"{what} {name!r} at index {idx}: expected {exp.flat[where].item()!r}, got {got.flat[where].item()!r} "
-            f"({int(bad.sum())} of {bad.size} elements outside rtol={rtol:g}, atol={atol:g}); "
-            f"case {inst.case}, input seed {inst.seed}",
+            f"({int(bad.sum())} of {bad.size} elements outside rtol={rtol:g}{against}, atol={atol:g}); "
+            f"{inst.describe()}, input seed {inst.seed}",
         )
 
 
-def within_tolerance(got: np.ndarray, expected: np.ndarray, rtol: float, atol: float) -> np.ndarray:
-    """Element-wise ``|got - expected| <= atol + rtol * |expected|`` (NaN where NaN is expected counts)."""
-    g, e = got.astype(np.float64, copy=False), expected.astype(np.float64, copy=False)
-    return (np.abs(g - e) <= atol + rtol * np.abs(e)) | (np.isnan(g) & np.isnan(e))
+def within_tolerance(got: np.ndarray, expected: np.ndarray, rtol: float, atol: float,
+                     scale: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    """Element-wise ``|got - expected| <= atol + rtol * scale`` (``scale`` defaults to ``|expected|``); NaN
+    where NaN is expected passes, and so does the exact value (an infinity where one is expected)."""
+    with np.errstate(invalid="ignore", over="ignore"):  # a kernel's garbage may hold signalling NaNs
+        g, e = got.astype(np.float64, copy=False), expected.astype(np.float64, copy=False)
+        s = np.abs(e) if scale is None else np.asarray(scale, np.float64)
+        return (np.abs(g - e) <= atol + rtol * s) | (np.isnan(g) & np.isnan(e)) | (g == e)
 
 
 def timing_metrics(run: TimingRun, work: float) -> tuple[float, dict[str, Any]]:

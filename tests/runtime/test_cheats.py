@@ -121,3 +121,33 @@ def test_a_kernel_wrong_beyond_the_small_check_shapes_is_wrong(workdir, ctx):
     assert r.status is Status.WRONG and "'m': " in r.error, r
     honest = evaluate(dataclasses.replace(req, genome=Genome(source=HONEST), key="honest"), task, ctx)
     assert honest.status is Status.OK, honest.error
+
+
+# Right on typical values, but it "skips zeros" with a threshold that also drops tiny normal values: wrong
+# on inputs scaled by 2**-40, which the checks draw beside the typical ones.
+FLUSHES_TINY_INPUTS = f"""
+{SIGNATURE} {{
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {{
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) {{
+                float a = A[i * K + k], b = B[k * N + j];
+                if (a > -1e-6f && a < 1e-6f) continue;   /* "skip zeros": also skips small values */
+                s += a * b;
+            }}
+            C[i * N + j] = s;
+        }}
+}}
+"""
+
+
+def test_a_kernel_wrong_only_on_tiny_values_is_wrong_and_says_which(workdir, ctx):
+    spec = TaskSpec(name="matmul", args={"m": 64, "n": 64, "k": 64})
+    task = load_task_class(spec.name)(spec.args)
+    g = Genome(source=FLUSHES_TINY_INPUTS)
+    req = EvalRequest(key=g.id, genome=g, task=spec, settings=make_settings(workdir),
+                      cache_dir=os.path.join(workdir, "cache"), stages="check")  # fmt: skip
+    r = evaluate(req, task, ctx)
+    assert r.status is Status.WRONG and "with small values" in r.error, r
+    honest = evaluate(dataclasses.replace(req, genome=Genome(source=HONEST), key="honest"), task, ctx)
+    assert honest.status is Status.OK, honest.error

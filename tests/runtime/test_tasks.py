@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from genome import EVOLVE_END, EVOLVE_START, Genome, evolve_blocks
+from runtime.backends.kernels import check_plan, within_tolerance
 from runtime.task import Task, load_task_class
 from runtime.tasks.matmul import Matmul
 from runtime.tasks.softmax import Softmax
@@ -33,16 +34,18 @@ def call(fn: KernelFn, args: list) -> None:
 
 
 def assert_correct(task: Task, fn: KernelFn, rng: np.random.Generator) -> None:
-    """Runs every check case against the reference, with the task's tolerance."""
-    for case in task.check_cases(rng):
-        inputs = task.inputs(case, rng)
+    """Runs every check case against the reference, on each of the task's value kinds, with its tolerance."""
+    for case, kind in check_plan(task, 1):
+        inputs = task.inputs_of_kind(case, rng, kind)
         got = {k: np.full(shape, np.nan, dtype) for k, (shape, dtype) in task.outputs(case).items()}
         want = {k: np.empty(shape, dtype) for k, (shape, dtype) in task.outputs(case).items()}
         call(fn, task.kernel_args(case, {**inputs, **got}))
         task.reference(case, inputs, want)
         rtol, atol = task.tolerance(case)
+        scales = task.error_scale(case, inputs, want) or {}
         for name in want:
-            np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol, err_msg=f"{name} at {case}")
+            ok = within_tolerance(got[name], want[name], rtol, atol, scales.get(name))
+            assert ok.all(), f"{name} at {case} with {kind} values: {int((~ok).sum())} of {ok.size} elements off"
 
 
 def random_points(task: Task, count: int, seed: int) -> list[Genome]:
@@ -116,3 +119,54 @@ def test_softmax_measures() -> None:
     assert task.full_case() == {"rows": 4096, "cols": 1024}
     assert task.work(task.full_case()) == pytest.approx(4096 * 1024 * 8 / 1e9)
     assert {"vector_width", "rows_per_block"} <= task.descriptors().keys()
+
+
+def test_value_kinds_reshape_float_inputs_only() -> None:
+    from runtime.task import VALUE_KINDS
+
+    task = Matmul({"m": 64, "n": 64, "k": 64})
+    rng = np.random.default_rng(1)
+    case = {"m": 40, "n": 30, "k": 50}
+    typical = task.inputs_of_kind(case, np.random.default_rng(7), "typical")["A"]
+    large = task.inputs_of_kind(case, np.random.default_rng(7), "large")["A"]
+    assert np.abs(large).max() > 1e11 * np.abs(typical).max()
+    assert np.abs(task.inputs_of_kind(case, rng, "small")["A"]).max() < 1e-10
+    zeros = task.inputs_of_kind(case, rng, "zeros")["A"]
+    assert 0.2 < np.mean(zeros == 0) < 0.5
+    signed = task.inputs_of_kind(case, rng, "signed_zeros")["A"]
+    z = signed[signed == 0]
+    assert np.signbit(z).any() and (~np.signbit(z)).any()
+    sub = task.inputs_of_kind(case, rng, "denormals")["A"]
+    tiny = np.finfo(np.float32).smallest_normal
+    assert 0.2 < np.mean((sub != 0) & (np.abs(sub) < tiny)) < 0.5
+    assert set(task.value_kinds()) == set(VALUE_KINDS)
+    with pytest.raises(ValueError, match="unknown value kind"):
+        task.inputs_of_kind(case, rng, "huge")
+
+
+def test_check_plan_covers_every_value_kind_once_at_least() -> None:
+    from runtime.backends.kernels import check_plan
+
+    task = Matmul({"m": 64, "n": 64, "k": 64})
+    plan = check_plan(task, 1)
+    assert {kind for _, kind in plan} == set(task.value_kinds())
+
+
+def test_matmul_error_scale_forgives_cancellation_not_a_missing_term() -> None:
+    from runtime.backends.kernels import within_tolerance
+
+    task = Matmul({"m": 64, "n": 64, "k": 64})
+    rng = np.random.default_rng(3)
+    case = {"m": 32, "n": 32, "k": 512}
+    inputs = task.inputs_of_kind(case, rng, "large")
+    a64, b64 = inputs["A"].astype(np.float64), inputs["B"].astype(np.float64)
+    exact = a64 @ b64
+    honest = np.zeros((32, 32), np.float32)  # fp32, summed in another order than BLAS: backwards
+    for k in range(511, -1, -1):
+        honest += np.outer(inputs["A"][:, k], inputs["B"][k, :])
+    expected = {"C": inputs["A"] @ inputs["B"]}
+    scale = task.error_scale(case, inputs, expected)["C"]
+    rtol, atol = task.tolerance(case)
+    assert within_tolerance(honest, expected["C"], rtol, atol, scale).all()
+    missing = (exact - np.outer(a64[:, 7], b64[7, :])).astype(np.float32)  # one term left out
+    assert not within_tolerance(missing, expected["C"], rtol, atol, scale).all()

@@ -47,6 +47,17 @@ def test_max_repeats_and_max_seconds_cap_the_run():
     assert run.candidate.median >= 0.01 > run.reference.median
 
 
+def test_the_overhead_budget_stops_a_timing_whose_rounds_cost_far_more_than_its_calls():
+    settings = TimingSettings(warmup=0, min_repeats=5, max_repeats=1000, max_seconds=10.0, target_rel_spread=1e-9,
+                              overhead_budget_s=0.02)  # fmt: skip
+    run = time_interleaved(lambda: None, lambda: None, settings, round_start=lambda: time.sleep(0.004))
+    assert 5 <= run.candidate.n <= 7, run.candidate.n  # ~4 ms outside per round: spent by the 6th round
+    # rounds whose outside work is cheaper than twice their calls are not cut short
+    calls = time_interleaved(lambda: time.sleep(0.002), lambda: None, settings.model_copy(update={"max_repeats": 30}),
+                             round_start=lambda: time.sleep(0.003))  # fmt: skip
+    assert calls.candidate.n == 30
+
+
 def test_lock_excludes_another_process(tmp_path):
     path = str(tmp_path / "timing.lock")
     lock = TimingLock(path)
