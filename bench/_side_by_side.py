@@ -32,7 +32,7 @@ from archive import Candidate  # noqa: E402
 from evo.rundir import RunDir  # noqa: E402
 from genome import Genome  # noqa: E402
 from runtime import Task, TimingSettings  # noqa: E402
-from runtime.backends.kernels import guarded_empty  # noqa: E402
+from runtime.backends.kernels import guarded_empty, within_tolerance  # noqa: E402
 from runtime.settings import CompilerSettings  # noqa: E402
 from runtime.timing import pinned, time_interleaved  # noqa: E402
 from runtime.toolchain import compile_source, load_kernel  # noqa: E402
@@ -92,7 +92,8 @@ def side_by_side(
             call()
             task.reference(case, inputs, refs)
             rtol, atol = task.tolerance(case)
-            correct = all(np.allclose(outs[k], refs[k], rtol=rtol, atol=atol) for k in outs)
+            scales = task.error_scale(case, inputs, refs) or {}
+            correct = all(within_tolerance(outs[k], refs[k], rtol, atol, scales.get(k)).all() for k in outs)
             run = time_interleaved(call, lambda t=task, c=case, i=inputs, r=refs: t.reference(c, i, r), timing)
             work = task.work(case)
             results.append({

@@ -174,8 +174,9 @@ class KernelTask(Task):
         return None
 
     def value_kinds(self) -> tuple[str, ...]:
-        """The value distributions the kernel must be correct on (see :data:`VALUE_KINDS`). The checks draw
-        each of them, in turn, on the check cases; the full case and the timing see ``typical`` values.
+        """The value distributions the kernel must be correct on (see :data:`VALUE_KINDS`). Besides the
+        typical checks, each is checked once per evaluation on one of the cheaper check cases; the full
+        case and the timing see ``typical`` values.
         The default, ``("typical",)``, is what :meth:`inputs` draws and nothing more."""
         return ("typical",)
 
