@@ -95,9 +95,8 @@ def _prepare(init: dict[str, Any], tasks: _Tasks) -> WorkerContext:
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
         sys.exit(0)
-    ctx = WorkerContext(cache_dir=f"/proc/self/fd/{cache_fd}", work_dir=os.getcwd(), lock=lock, hardware=hardware)
-    ctx.hosts()  # forked now, before any evaluation: a candidate's host inherits nothing of one
-    return ctx
+    return WorkerContext(cache_dir=f"/proc/self/fd/{cache_fd}", work_dir=os.getcwd(), lock=lock, hardware=hardware,
+                         cc=profile.cc)  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

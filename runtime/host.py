@@ -1,30 +1,28 @@
-"""Candidate hosts: the only processes candidate code runs in, and the clean template they are forked from.
+"""Candidate hosts: the only processes candidate code runs in.
 
 A worker holds everything that decides fitness: inputs, expected outputs, the reference's and a rival's
-results, the clock. Candidate code never runs in it. Each candidate gets a host process of its own,
-forked from a :class:`HostTemplate` that the worker starts before its first evaluation (so a host
-inherits no memory of any evaluation) and never reused: it exits with its candidate.
+results, the clock. Candidate code never runs in it. Each candidate gets a host of its own, a fresh
+executable (``runtime/host.c``, built once per compiler into the compile cache) that inherits none of
+the worker's memory, loads the candidate's library, and calls its kernel on shared buffers when told
+to; it is never reused (it exits with its candidate).
 
 What a host can and cannot do:
 
 - It sees the candidate's inputs and outputs through shared memory (sealed memfd arenas), nothing
-  else of the worker. The worker, the template and every host are not dumpable: no process of the same
-  user may read their memory through ``/proc/PID/mem``, trace them or ``process_vm_readv`` them.
+  else of the worker. The worker and every host are not dumpable: no process of the same user may
+  read their memory through ``/proc/PID/mem``, trace them or ``process_vm_readv`` them.
 - It is timed from outside: the worker reads its clock around each request, less the calibrated cost
   of one round trip, and cross-checks against the CPU time the kernel accounts to the host.
-- A system-call filter (seccomp, through libseccomp) is in force before the candidate's library is
-  loaded (its constructors run under it): no sockets, no ptrace or ``process_vm_*``, no signals to any
-  process, no files opened for writing (so no compile cache can be replaced), no exec, no new process
-  and, with ``threads: 1``, no thread; no page made executable by ``mprotect`` (code cannot be rewritten,
-  e.g. the process's clock) nor mapped anonymously as code; once the library is loaded, no executable
-  mapping at all. A forbidden call fails with ``EPERM``.
+- A system-call filter (seccomp; the BPF programs are compiled by libseccomp in the worker) is in
+  force before the candidate's library is loaded (its constructors run under it): no sockets, no
+  ptrace or ``process_vm_*``, no signals to any process, no files opened for writing (so no compile
+  cache can be replaced), no exec, no new process and, with ``threads: 1``, no thread; no page made
+  executable by ``mprotect`` (code cannot be rewritten, e.g. the process's clock) nor mapped
+  anonymously as code; once the library is loaded, no executable mapping at all. A forbidden call
+  fails with ``EPERM``.
 
-Protocol over a ``SOCK_SEQPACKET`` pair, one answer per request:
-
-- ``M``, then (id, size) with a memfd: map a shared arena;
-- ``B`` + pickled argument list: bind the kernel to these arguments, answer ``h`` + the handle;
-- ``K`` + handles: call each in turn, answer ``d`` (handle 0 calls nothing: the round trip alone);
-- ``Q``: exit. The host's first message is ``ok``, or ``E`` + why its library cannot be loaded.
+The protocol is in ``runtime/host.c``. A kernel's arguments are ints, floats and pointers into the
+arenas, at most as many as registers carry (6 ints or pointers and 8 floats on x86-64).
 """
 
 from __future__ import annotations
@@ -33,32 +31,24 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import gc
 import mmap
 import os
-import pickle
+import shutil
 import signal
 import socket
 import statistics
 import struct
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "CandidateHost",
-    "HostDied",
-    "HostTemplate",
-    "compiled_filters",
-    "filter_available",
-    "load_filter",
-    "make_undumpable",
-]
+__all__ = ["CandidateHost", "HostDied", "HostLauncher", "build_host", "compiled_filters", "filter_available",
+           "make_undumpable"]  # fmt: skip
 
-_PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
 _CPUCLOCK_SCHED = 2
 _ID = struct.Struct("<I")
@@ -89,147 +79,104 @@ class HostDied(RuntimeError):
         self.signal_name = signal_name
 
 
-# --- the template -----------------------------------------------------------------------------------
+# --- starting hosts -----------------------------------------------------------------------------------
 
 
-class HostTemplate:
-    """A clean process, forked once, that forks a :class:`CandidateHost` per candidate on request.
+_HOST_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host.c")
 
-    Start it before any evaluation: a host is a copy of the template's memory, so nothing of an
-    evaluation must ever have been in it. It reaps the hosts it forked and reports how each ended.
-    """
 
-    def __init__(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the template: never returns
-            ours.close()
-            _run_child(_template_main, theirs)
-        theirs.close()
-        self.pid, self._sock = pid, ours
+def build_host(cc: str, cache_dir: str, work_dir: str | None = None) -> str:
+    """The host executable for compiler ``cc``, built into ``cache_dir`` unless it is there already."""
+    from runtime.toolchain.cc import CompileError, CompilerNotFound, cache_key, compiler_version, publish, run_tool
 
-    def alive(self) -> bool:
-        try:
-            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
-        except ChildProcessError:
-            return False
+    with open(_HOST_SOURCE) as f:
+        source = f.read()
+    flags = ["-O2", "-std=gnu11"]
+    # libm stays linked: kernels built as libraries call sqrtf, expf, ... from the process they load into
+    libs = ["-Wl,--no-as-needed", "-lm", "-ldl"]
+    final = os.path.join(cache_dir, f"evoforge-host-{cache_key(source, [*flags, *libs], compiler_version(cc))}")
+    if os.path.exists(final):
+        return final
+    tmp = tempfile.mkdtemp(prefix="host-", dir=work_dir)
+    try:
+        with open(os.path.join(tmp, "host.c"), "w") as f:
+            f.write(source)
+        code, output = run_tool([cc, *flags, "-o", "host", "host.c", *libs], cwd=tmp, timeout=120,
+                                not_found=lambda why: CompilerNotFound(cc, why))  # fmt: skip
+        if code != 0:
+            raise CompileError(f"the candidate host does not build with {cc}:\n{output}")
+        publish(os.path.join(tmp, "host"), final, cache_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+class HostLauncher:
+    """Starts a :class:`CandidateHost` per candidate: the host executable (built on first use) and the
+    system-call filters, compiled once."""
+
+    def __init__(self, cc: str = "cc", cache_dir: str | None = None, work_dir: str | None = None) -> None:
+        self.cache_dir = cache_dir or tempfile.mkdtemp(prefix="evoforge-host-")
+        self.executable = build_host(cc, self.cache_dir, work_dir)
+        # Reached through a descriptor: the cache's path may be a /proc/self/fd link, which means another
+        # directory in the new process. At 10 or above, so that no descriptor of the spawn overlaps another.
+        exe = os.open(self.executable, os.O_RDONLY | os.O_CLOEXEC)
+        self._exe = fcntl.fcntl(exe, fcntl.F_DUPFD_CLOEXEC, 10)
+        os.close(exe)
+        self.filters = compiled_filters()
+        if self.filters is None:
+            print("evoforge: libseccomp not found: candidate processes run without a system-call filter "
+                  "(fix: apt-get install libseccomp2)", file=sys.stderr, flush=True)  # fmt: skip
 
     def host(self, path: str, name: str, *, threads: int = 1, cpu_seconds: int | None = None) -> CandidateHost:
         """A new host with the kernel ``name`` of the library at ``path`` loaded.
 
-        Raises :class:`runtime.toolchain.CompileError` when the library does not define ``name``, and
-        :class:`HostDied` when the host dies loading it (a library constructor that crashes, say).
+        Raises :class:`runtime.toolchain.CompileError` when the library does not load or defines no
+        ``name``, and :class:`HostDied` when the host dies loading it (a constructor that crashes, say).
         """
         from runtime.toolchain.cc import CompileError
 
-        lib = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # the host reaches the library through this only
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        opened = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # the host reaches the library through this only
+        lib = fcntl.fcntl(opened, fcntl.F_DUPFD_CLOEXEC, 10)
+        sock = fcntl.fcntl(theirs.fileno(), fcntl.F_DUPFD_CLOEXEC, 10)
+        os.close(opened)
+        theirs.close()
         try:
-            order = pickle.dumps({"name": name, "threads": threads, "cpu_seconds": cpu_seconds})
-            socket.send_fds(self._sock, [b"S" + order], [lib])
+            sys.stdout.flush()
+            sys.stderr.flush()
+            dup = os.POSIX_SPAWN_DUP2
+            argv = [self.executable, name, str(max(1, threads)), str(cpu_seconds or 0)]
+            pid = os.posix_spawn("/proc/self/fd/5", argv, os.environ,
+                                 file_actions=[(dup, sock, 3), (dup, lib, 4), (dup, self._exe, 5)])  # fmt: skip
         finally:
             os.close(lib)
-        msg, fds, _, _ = socket.recv_fds(self._sock, 64, 1)
-        if msg[:1] != b"p" or len(fds) != 1:
-            raise RuntimeError(f"the host template answered {msg[:80]!r}")
-        host = CandidateHost(self, _ID.unpack(msg[1:5])[0], socket.socket(fileno=fds[0]), threads)
+            os.close(sock)
+        host = CandidateHost(pid, ours, threads)
+        pre, post = (b"", b"") if self.filters is None else (
+            self.filters["one_thread" if threads <= 1 else "threads"], self.filters["no_exec"])  # fmt: skip
+        host.send(b"F" + struct.pack("<I", len(pre)) + pre + struct.pack("<I", len(post)) + post)
         ready = host.receive()
         if ready != b"ok":
             host.close()
             raise CompileError(ready[1:].decode(errors="replace"))
         return host
 
-    def forget(self, pid: int) -> None:
-        """The host ``pid`` was killed: the template reaps it when it can; nobody waits."""
-        self._sock.send(b"X" + _ID.pack(pid))
-
-    def reap(self, pid: int) -> int:
-        """Waits for the host ``pid`` to end; its wait status."""
-        self._sock.send(b"W" + _ID.pack(pid))
-        answer = self._sock.recv(64)
-        return struct.unpack("<i", answer[1:5])[0] if answer[:1] == b"w" else 0
-
     def close(self) -> None:
+        """Reaps hosts that ended (each host ends with its candidate)."""
+        _reap_ended()
         with contextlib.suppress(OSError):
-            self._sock.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+            os.close(self._exe)
 
 
-def _run_child(main: Any, *args: Any, **kwargs: Any) -> None:
-    """A forked child's whole life: whatever happens, it never returns into its parent's code."""
-    code = 0
-    try:
-        main(*args, **kwargs)
-    except BaseException:  # noqa: BLE001 - the child must exit here, with the trace in the log
-        import traceback
-
-        traceback.print_exc()
-        code = 70
-    finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+def _reap_ended() -> None:
+    with contextlib.suppress(ChildProcessError):
+        for pid in list(_KILLED):
+            if os.waitpid(pid, os.WNOHANG)[0] != 0:
+                _KILLED.discard(pid)
 
 
-def _close_except(*keep: int) -> None:
-    """Closes every descriptor but stdin, stdout, stderr (the log) and ``keep``."""
-    low = 3
-    for fd in sorted(k for k in keep if k >= 3):
-        os.closerange(low, fd)
-        low = fd + 1
-    os.closerange(low, 1 << 16)
-
-
-def _template_main(sock: socket.socket) -> None:
-    libc = ctypes.CDLL(None)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    _close_except(sock.fileno())  # the worker's connection, the timing lock, the compile cache
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    filters = compiled_filters()  # once, here: a host only loads them
-    if filters is None:
-        print("evoforge: libseccomp not found: candidate processes run without a system-call filter "
-              "(fix: apt-get install libseccomp2)", file=sys.stderr, flush=True)  # fmt: skip
-    forgotten: set[int] = set()
-    gc.freeze()  # a host's collector never walks (so never copies) the pages it shares with the template
-    while True:
-        try:
-            msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
-        except OSError:
-            return
-        if not msg:
-            return
-        for pid in list(forgotten):
-            with contextlib.suppress(ChildProcessError):
-                if os.waitpid(pid, os.WNOHANG)[0] == 0:
-                    continue
-            forgotten.discard(pid)
-        if msg[:1] == b"S":
-            order = pickle.loads(msg[1:])
-            host_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            pid = os.fork()
-            if pid == 0:
-                sock.close()
-                worker_end.close()
-                _run_child(_host_main, host_end, fds[0], filters, **order)
-            host_end.close()
-            os.close(fds[0])
-            socket.send_fds(sock, [b"p" + _ID.pack(pid)], [worker_end.fileno()])
-            worker_end.close()
-        elif msg[:1] == b"X":  # a host the worker killed: reaped later, nobody waits for it
-            forgotten.add(_ID.unpack(msg[1:5])[0])
-        elif msg[:1] == b"W":
-            pid = _ID.unpack(msg[1:5])[0]
-            try:
-                _, status = os.waitpid(pid, 0)
-            except ChildProcessError:
-                status = 0
-            sock.send(b"w" + struct.pack("<i", status))
+_KILLED: set[int] = set()  # hosts killed but not yet reaped (they are this process's children)
 
 
 # --- a host, seen from the worker ---------------------------------------------------------------------
@@ -238,9 +185,9 @@ def _template_main(sock: socket.socket) -> None:
 class CandidateHost:
     """One candidate's process, as the worker drives it: shared buffers, bound calls, timed requests."""
 
-    def __init__(self, template: HostTemplate, pid: int, sock: socket.socket, threads: int) -> None:
+    def __init__(self, pid: int, sock: socket.socket, threads: int) -> None:
         self.pid, self.threads_allowed = pid, threads
-        self._template, self._sock = template, sock
+        self._sock = sock
         self._arenas: list[tuple[mmap.mmap, np.ndarray]] = []  # arena i has id i + 1 in the host
         self._current = 0  # the arena allocations come from
         self._used = 0  # bytes taken from it
@@ -301,8 +248,19 @@ class CandidateHost:
 
     def bind(self, args: Sequence[Any]) -> int:
         """A handle calling the kernel on ``args`` (ints, floats, arrays in this host's buffers)."""
-        spec = [("p", *self._locate(a)) if isinstance(a, np.ndarray) else a for a in args]
-        answer = self._request(b"B" + pickle.dumps(spec))
+        spec = [struct.pack("<I", len(args))]
+        for a in args:
+            if isinstance(a, np.ndarray):
+                if not a.flags.c_contiguous:
+                    raise TypeError("kernel array arguments must be C-contiguous")
+                spec.append(b"p" + _MAP.pack(*self._locate(a)))
+            elif isinstance(a, (bool, int, np.integer)):
+                spec.append(b"i" + struct.pack("<i", int(a)))
+            elif isinstance(a, (float, np.floating)):
+                spec.append(b"f" + struct.pack("<f", float(a)))
+            else:
+                raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
+        answer = self._request(b"B" + b"".join(spec))
         if answer[:1] != b"h":
             raise TypeError(answer[1:].decode(errors="replace"))
         return _ID.unpack(answer[1:5])[0]
@@ -369,8 +327,8 @@ class CandidateHost:
         self._closed = True
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            self._template.forget(self.pid)
+        _KILLED.add(self.pid)  # reaped later: nobody waits for it
+        _reap_ended()
         self._sock.close()
         for mm, _ in self._arenas:
             with contextlib.suppress(BufferError):
@@ -384,6 +342,12 @@ class CandidateHost:
         self.close()
 
     # --- internals ------------------------------------------------------------------------------------
+
+    def send(self, msg: bytes) -> None:
+        try:
+            self._sock.send(msg)
+        except OSError:
+            self._died(b"")
 
     def receive(self) -> bytes:
         try:
@@ -416,8 +380,8 @@ class CandidateHost:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)  # a host that closed its socket but lives on
         try:
-            status = self._template.reap(self.pid)
-        except OSError:
+            _, status = os.waitpid(self.pid, 0)
+        except ChildProcessError:
             status = 0
         self._closed = True
         self._sock.close()
@@ -427,73 +391,7 @@ class CandidateHost:
         raise HostDied(f"the kernel's process exited with code {os.WEXITSTATUS(status)}", None)
 
 
-# --- a host, from the inside ----------------------------------------------------------------------------
-
-
-def _host_main(sock: socket.socket, lib: int, filters: dict[str, bytes] | None, name: str, threads: int,
-               cpu_seconds: int | None) -> None:  # fmt: skip
-    """Only the kernel's library, its socket and the log (stdout, stderr) are open here."""
-    gc.disable()  # short-lived: what it allocates goes with it
-    libc = ctypes.CDLL(None)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    _close_except(sock.fileno(), lib)
-    os.environ["OMP_WAIT_POLICY"] = "passive"  # an OpenMP pool sleeps between calls, it does not spin
-    os.environ["OMP_NUM_THREADS"] = str(max(1, threads))
-    if cpu_seconds is not None:
-        from runtime.sandbox import arm_cpu_limit
-
-        arm_cpu_limit(cpu_seconds)
-    from runtime.toolchain.cc import CompileError, load_kernel
-
-    if filters is not None:  # before the library: its constructors are candidate code too
-        load_filter(filters["one_thread" if threads <= 1 else "threads"])
-    try:
-        kernel = load_kernel(f"/proc/self/fd/{lib}", name)
-    except CompileError as exc:
-        sock.send(b"E" + str(exc).encode()[:60000])
-        return
-    os.close(lib)
-    if filters is not None:
-        load_filter(filters["no_exec"])  # from now on no page becomes executable: loaded code cannot be rewritten
-    sock.send(b"ok")
-    _serve(sock, kernel, libc)
-
-
-def _serve(sock: socket.socket, kernel: Any, libc: Any) -> None:
-    maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
-    calls: dict[int, Any] = {0: lambda: None}
-    recv, send = sock.recv, sock.send
-    while True:
-        msg = recv(65536)
-        if not msg or msg[:1] == b"Q":
-            return
-        op = msg[:1]
-        if op == b"K":
-            for (h,) in _ID.iter_unpack(msg[1:]):
-                calls[h]()
-            if len(msg) > 5 or msg[1:5] != b"\0\0\0\0":
-                libc.fflush(None)  # what the kernel printed reaches the log now
-            send(b"d")
-        elif op == b"M":
-            msg, fds, _, _ = socket.recv_fds(sock, 64, 1)
-            buf_id, size = _MAP.unpack(msg[:12])
-            mm = mmap.mmap(fds[0], size) if fds else None
-            for fd in fds:
-                os.close(fd)
-            if mm is None:
-                send(b"e" + b"no arena descriptor")
-                continue
-            maps[buf_id] = (mm, np.frombuffer(mm, np.uint8))
-            send(b"k")
-        elif op == b"B":
-            try:
-                spec = pickle.loads(msg[1:])
-                args = [maps[a[1]][1][a[2] :] if isinstance(a, tuple) and a[:1] == ("p",) else a for a in spec]
-                handle = len(calls)
-                calls[handle] = kernel.bind(args)
-                send(b"h" + _ID.pack(handle))
-            except Exception as exc:  # noqa: BLE001 - a task's bad argument list: the worker reports it
-                send(b"e" + repr(exc).encode()[:1000])
+# --- the system-call filter ------------------------------------------------------------------------
 
 
 _WRITE_FLAGS = (os.O_WRONLY, os.O_RDWR, os.O_CREAT, os.O_TRUNC, os.O_APPEND, getattr(os, "O_TMPFILE", 0))
@@ -515,15 +413,6 @@ _PRCTL_DENIED = (4, 0x59616D61, 35)  # PR_SET_DUMPABLE, PR_SET_PTRACER, PR_SET_M
 _CLONE_THREAD = 0x00010000
 _PROT_EXEC = 0x4
 _MAP_ANONYMOUS = 0x20
-_PR_SET_NO_NEW_PRIVS = 38
-_PR_SET_SECCOMP = 22
-_SECCOMP_MODE_FILTER = 2
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
-
-
 def compiled_filters() -> dict[str, bytes] | None:
     """The hosts' system-call filters as BPF programs (see the module docstring), compiled once, in the
     template: ``one_thread`` and ``threads`` (one per thread policy), and ``no_exec`` (loaded on top once
@@ -576,13 +465,3 @@ def compiled_filters() -> dict[str, bytes] | None:
                 if fd >= 0:
                     os.close(fd)
     return out
-
-
-def load_filter(program: bytes) -> None:
-    """Puts this process (every thread it starts from now on too) under the BPF ``program``."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    prog = _SockFprog(len(program) // 8, program)
-    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")

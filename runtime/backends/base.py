@@ -41,7 +41,7 @@ from runtime.timing import TimingLock
 if TYPE_CHECKING:
     import numpy as np
 
-    from runtime.host import HostTemplate
+    from runtime.host import HostLauncher
 
 __all__ = [
     "STAGES",
@@ -78,21 +78,22 @@ class WorkerContext:
     work_dir: str | None
     lock: TimingLock | None
     hardware: dict[str, Any] | None = None
-    template: HostTemplate | None = None  # what candidate hosts are forked from (started on first use)
+    cc: str = "cc"  # the compiler the candidate host executable is built with
+    launcher: HostLauncher | None = None  # starts candidate hosts (set up on first use)
 
-    def hosts(self) -> HostTemplate:
-        """The clean template candidate hosts are forked from; a worker starts it before its first
-        evaluation (:mod:`runtime.host`), and a new one replaces it if it died."""
-        if self.template is None or not self.template.alive():
-            from runtime.host import HostTemplate
+    def hosts(self) -> HostLauncher:
+        """What starts a candidate's host process (:mod:`runtime.host`); its executable is built into the
+        compile cache on first use."""
+        if self.launcher is None:
+            from runtime.host import HostLauncher
 
-            self.template = HostTemplate()
-        return self.template
+            self.launcher = HostLauncher(self.cc, self.cache_dir, self.work_dir)
+        return self.launcher
 
     def close(self) -> None:
-        if self.template is not None:
-            self.template.close()
-            self.template = None
+        if self.launcher is not None:
+            self.launcher.close()
+            self.launcher = None
 
 
 class Failure(Exception):

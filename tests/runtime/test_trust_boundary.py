@@ -1,7 +1,7 @@
 """The trust boundary around candidate code, attacked as a model looking for holes would attack it.
 
-Candidate code runs in a host process of its own (runtime/host.py): forked from a clean template, under a
-system-call filter, timed from the worker. Each kernel here tries one way out: read the worker's memory
+Candidate code runs in a host process of its own (runtime/host.py, runtime/host.c): a fresh executable,
+under a system-call filter, timed from the worker. Each kernel here tries one way out: read the worker's memory
 for the answer, rewrite its own process's clock, slow the reference with a helper thread, leave work
 running, write files (the compile cache), open sockets, fork, rewrite code. Each must end non-``ok``,
 or ``ok`` with figures no better than the honest kernel's, and an honest kernel evaluated after the
@@ -68,12 +68,12 @@ static int parent_of(int pid) {
 static void *spin(void *arg) { (void)arg; for (;;) {} return 0; }
 
 static void try_doors(void) {
-    int template = getppid(), worker = parent_of(template);
+    int worker = getppid(), controller = parent_of(worker);
     char path[64];
     for (int i = 0; i < 2; i++) {
-        int pid = i ? worker : template;
+        int pid = i ? controller : worker;
         snprintf(path, sizeof path, "/proc/%d/mem", pid);
-        int fd = open(path, O_RDONLY); door(i ? "read the worker's memory" : "read the template's memory", fd >= 0);
+        int fd = open(path, O_RDONLY); door(i ? "read the controller's memory" : "read the worker's memory", fd >= 0);
         if (fd >= 0) close(fd);
         char buf[16]; struct iovec local = {buf, sizeof buf}, remote = {(void *)0x400000, sizeof buf};
         door("process_vm_readv", process_vm_readv(pid, &local, 1, &remote, 1, 0) >= 0 || errno != EPERM);

@@ -1,0 +1,202 @@
+/* The candidate host: the only process a C candidate's code runs in (see runtime/host.py).
+ *
+ * Started by the worker as a fresh executable: argv = host, kernel name, threads, CPU seconds; the
+ * worker's socket is descriptor 3, the candidate's library descriptor 4 (and this executable 5). Nothing else is open but the
+ * log (stdout, stderr), and nothing of the worker's memory was ever here.
+ *
+ * First message: 'F' + u32 length + BPF program (the filter before the library) + u32 length + BPF
+ * program (the one after it), or 'F' + two zero lengths (no filter on this machine). Then:
+ *   'M', then (u32 id, u64 size) with a memfd: map a shared arena             -> 'k'
+ *   'B' + u32 n + n x (u8 kind: 'i' i32 | 'f' f32 | 'p' u32 arena, u64 offset) -> 'h' + u32 handle
+ *   'K' + u32 handles: call each in turn (handle 0 calls nothing)             -> 'd'
+ * Answers 'ok' once the library is loaded, or 'E' + why not.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+/* Integer and pointer arguments go in general registers in order, floats in vector registers in order
+   (x86-64 System V, AArch64): one prototype with enough of both calls any kernel of ints, floats and
+   pointers that fits in registers. */
+#if defined(__aarch64__)
+#define NINT 8
+typedef void (*kernel_fn)(long, long, long, long, long, long, long, long, float, float, float, float, float,
+                          float, float, float);
+#else
+#define NINT 6
+typedef void (*kernel_fn)(long, long, long, long, long, long, float, float, float, float, float, float, float,
+                          float);
+#endif
+#define NFLT 8
+#define MAX_ARENAS 64
+#define MAX_CALLS 4096
+
+typedef struct { long i[8]; float f[NFLT]; } bound_call;
+
+static int sock = 3;
+static char buf[1 << 16];
+static unsigned char *arenas[MAX_ARENAS + 1];
+static uint64_t arena_size[MAX_ARENAS + 1];
+static bound_call calls[MAX_CALLS];
+static int ncalls = 1; /* handle 0: nothing */
+
+static void answer(const void *msg, size_t len) {
+    if (send(sock, msg, len, 0) < 0) _exit(71);
+}
+
+static void fail(const char *why) {
+    char out[1024];
+    int n = snprintf(out, sizeof out, "E%s", why);
+    answer(out, (size_t)(n < (int)sizeof out ? n : (int)sizeof out - 1));
+    _exit(0);
+}
+
+static int load_filter(const unsigned char *prog, uint32_t len) {
+    struct sock_fprog fprog = {(unsigned short)(len / 8), (struct sock_filter *)prog};
+    if (len == 0) return 0;
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return -1;
+    return prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0);
+}
+
+static uint32_t u32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint64_t u64(const char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+static void map_arena(void) {
+    char data[12];
+    char control[CMSG_SPACE(sizeof(int))];
+    struct iovec iov = {data, sizeof data};
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    if (recvmsg(sock, &msg, 0) != (ssize_t)sizeof data) _exit(72);
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    if (!c || c->cmsg_type != SCM_RIGHTS) { answer("eno arena descriptor", 20); return; }
+    int fd;
+    memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    uint32_t id = u32(data);
+    uint64_t size = u64(data + 4);
+    void *p = id >= 1 && id <= MAX_ARENAS ? mmap(0, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+    close(fd);
+    if (p == MAP_FAILED) { answer("ecannot map the arena", 21); return; }
+    arenas[id] = p;
+    arena_size[id] = size;
+    answer("k", 1);
+}
+
+static void bind_call(const char *m, ssize_t len) {
+    if (len < 5 || ncalls >= MAX_CALLS) { answer("etoo many bound calls", 21); return; }
+    uint32_t n = u32(m + 1);
+    const char *p = m + 5, *end = m + len;
+    bound_call b;
+    memset(&b, 0, sizeof b);
+    int ni = 0, nf = 0;
+    for (uint32_t a = 0; a < n; a++) {
+        if (p >= end) { answer("etruncated argument list", 24); return; }
+        char kind = *p++;
+        if (kind == 'i' && p + 4 <= end && ni < NINT) { int32_t v; memcpy(&v, p, 4); b.i[ni++] = v; p += 4; }
+        else if (kind == 'f' && p + 4 <= end && nf < NFLT) { memcpy(&b.f[nf++], p, 4); p += 4; }
+        else if (kind == 'p' && p + 12 <= end && ni < NINT) {
+            uint32_t id = u32(p);
+            uint64_t off = u64(p + 4);
+            if (id < 1 || id > MAX_ARENAS || !arenas[id] || off > arena_size[id]) { answer("eno such arena", 14); return; }
+            b.i[ni++] = (long)(arenas[id] + off);
+            p += 12;
+        } else {
+            answer("emore int/pointer or float arguments than registers carry", 58);
+            return;
+        }
+    }
+    calls[ncalls] = b;
+    char out[5] = {'h'};
+    uint32_t h = (uint32_t)ncalls++;
+    memcpy(out + 1, &h, 4);
+    answer(out, 5);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 4) return 64;
+    close(5); /* this executable, which the worker started through a descriptor */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* reset by exec: no process of this user may read us */
+    prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+    if (getppid() == 1) return 0;
+    int threads = atoi(argv[2]);
+    long cpu = atol(argv[3]);
+    if (cpu > 0) {
+        struct rlimit r;
+        getrlimit(RLIMIT_CPU, &r);
+        r.rlim_cur = (rlim_t)cpu;
+        if (r.rlim_max != RLIM_INFINITY && r.rlim_cur > r.rlim_max) r.rlim_cur = r.rlim_max;
+        setrlimit(RLIMIT_CPU, &r);
+    }
+    char nthreads[16];
+    snprintf(nthreads, sizeof nthreads, "%d", threads > 0 ? threads : 1);
+    setenv("OMP_NUM_THREADS", nthreads, 1);
+    setenv("OMP_WAIT_POLICY", "passive", 1); /* an OpenMP pool sleeps between calls, it does not spin */
+
+    ssize_t len = recv(sock, buf, sizeof buf, 0);
+    if (len < 9 || buf[0] != 'F') return 73;
+    uint32_t first = u32(buf + 1);
+    if ((ssize_t)(9 + first) > len) return 73;
+    uint32_t second = u32(buf + 5 + first);
+    if ((ssize_t)(9 + first + second) > len) return 73;
+    static unsigned char after[1 << 15];
+    if (second > sizeof after) return 73;
+    memcpy(after, buf + 9 + first, second);
+    if (load_filter((unsigned char *)buf + 5, first) != 0) fail("cannot load the system-call filter");
+
+    void *lib = dlopen("/proc/self/fd/4", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) fail(dlerror());
+    kernel_fn kernel = (kernel_fn)dlsym(lib, argv[1]);
+    if (!kernel) {
+        char why[300];
+        snprintf(why, sizeof why, "the library defines no function '%s'", argv[1]);
+        fail(why);
+    }
+    close(4);
+    if (load_filter(after, second) != 0) fail("cannot load the system-call filter");
+    answer("ok", 2);
+
+    for (;;) {
+        len = recv(sock, buf, sizeof buf, 0);
+        if (len <= 0 || buf[0] == 'Q') return 0;
+        if (buf[0] == 'K') {
+            int real = 0;
+            for (ssize_t p = 1; p + 4 <= len; p += 4) {
+                uint32_t h = u32(buf + p);
+                if (h == 0) continue;
+                if (h >= (uint32_t)ncalls) _exit(74);
+                bound_call *c = &calls[h];
+#if defined(__aarch64__)
+                kernel(c->i[0], c->i[1], c->i[2], c->i[3], c->i[4], c->i[5], c->i[6], c->i[7], c->f[0], c->f[1],
+                       c->f[2], c->f[3], c->f[4], c->f[5], c->f[6], c->f[7]);
+#else
+                kernel(c->i[0], c->i[1], c->i[2], c->i[3], c->i[4], c->i[5], c->f[0], c->f[1], c->f[2], c->f[3],
+                       c->f[4], c->f[5], c->f[6], c->f[7]);
+#endif
+                real = 1;
+            }
+            if (real) fflush(stdout); /* what the kernel printed reaches the log now */
+            answer("d", 1);
+        } else if (buf[0] == 'M') {
+            map_arena();
+        } else if (buf[0] == 'B') {
+            bind_call(buf, len);
+        } else {
+            answer("eunknown request", 16);
+        }
+    }
+}
