@@ -27,23 +27,26 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-/* Integer and pointer arguments go in general registers in order, floats in vector registers in order
-   (x86-64 System V, AArch64): one prototype with enough of both calls any kernel of ints, floats and
-   pointers that fits in registers. */
-#if defined(__aarch64__)
-#define NINT 8
-typedef void (*kernel_fn)(long, long, long, long, long, long, long, long, float, float, float, float, float,
-                          float, float, float);
-#else
-#define NINT 6
-typedef void (*kernel_fn)(long, long, long, long, long, long, float, float, float, float, float, float, float,
-                          float);
-#endif
+/* Integer and pointer arguments go in general registers in order, floats in vector registers in order,
+   and integer arguments beyond the registers on the stack, in order, 8 bytes each (x86-64 System V,
+   AArch64 on Linux): one prototype with all float registers and 10 stack slots after the integer
+   registers calls any kernel of up to 8 floats and up to 16 (x86-64) or 18 (AArch64) ints and pointers. */
 #define NFLT 8
+#define NSTACK 10
+#define FLOATS float, float, float, float, float, float, float, float
+#define STACK long, long, long, long, long, long, long, long, long, long
+#if defined(__aarch64__)
+#define NREG 8
+typedef void (*kernel_fn)(long, long, long, long, long, long, long, long, FLOATS, STACK);
+#else
+#define NREG 6
+typedef void (*kernel_fn)(long, long, long, long, long, long, FLOATS, STACK);
+#endif
+#define NINT (NREG + NSTACK)
 #define MAX_ARENAS 64
 #define MAX_CALLS 4096
 
-typedef struct { long i[8]; float f[NFLT]; } bound_call;
+typedef struct { long i[NINT]; float f[NFLT]; } bound_call;
 
 static int sock = 3;
 static char buf[1 << 16];
@@ -116,7 +119,7 @@ static void bind_call(const char *m, ssize_t len) {
             b.i[ni++] = (long)(arenas[id] + off);
             p += 12;
         } else {
-            answer("emore int/pointer or float arguments than registers carry", 58);
+            answer("emore than 8 float or 16 int/pointer arguments", 46);
             return;
         }
     }
@@ -180,12 +183,14 @@ int main(int argc, char **argv) {
                 if (h == 0) continue;
                 if (h >= (uint32_t)ncalls) _exit(74);
                 bound_call *c = &calls[h];
+                const long *i = c->i;
+                const float *f = c->f;
 #if defined(__aarch64__)
-                kernel(c->i[0], c->i[1], c->i[2], c->i[3], c->i[4], c->i[5], c->i[6], c->i[7], c->f[0], c->f[1],
-                       c->f[2], c->f[3], c->f[4], c->f[5], c->f[6], c->f[7]);
+                kernel(i[0], i[1], i[2], i[3], i[4], i[5], i[6], i[7], f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7],
+                       i[8], i[9], i[10], i[11], i[12], i[13], i[14], i[15], i[16], i[17]);
 #else
-                kernel(c->i[0], c->i[1], c->i[2], c->i[3], c->i[4], c->i[5], c->f[0], c->f[1], c->f[2], c->f[3],
-                       c->f[4], c->f[5], c->f[6], c->f[7]);
+                kernel(i[0], i[1], i[2], i[3], i[4], i[5], f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], i[6], i[7],
+                       i[8], i[9], i[10], i[11], i[12], i[13], i[14], i[15]);
 #endif
                 real = 1;
             }

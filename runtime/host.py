@@ -22,7 +22,7 @@ What a host can and cannot do:
   fails with ``EPERM``.
 
 The protocol is in ``runtime/host.c``. A kernel's arguments are ints, floats and pointers into the
-arenas, at most as many as registers carry (6 ints or pointers and 8 floats on x86-64).
+arenas: up to 8 floats and 16 ints or pointers.
 """
 
 from __future__ import annotations
