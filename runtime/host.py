@@ -152,7 +152,7 @@ class HostLauncher:
         finally:
             os.close(lib)
             os.close(sock)
-        host = CandidateHost(pid, ours, threads)
+        host = CandidateHost(pid, ours)
         pre, post = (b"", b"") if self.filters is None else (
             self.filters["one_thread" if threads <= 1 else "threads"], self.filters["no_exec"])  # fmt: skip
         host.send(b"F" + struct.pack("<I", len(pre)) + pre + struct.pack("<I", len(post)) + post)
@@ -170,10 +170,13 @@ class HostLauncher:
 
 
 def _reap_ended() -> None:
-    with contextlib.suppress(ChildProcessError):
-        for pid in list(_KILLED):
-            if os.waitpid(pid, os.WNOHANG)[0] != 0:
-                _KILLED.discard(pid)
+    for pid in list(_KILLED):
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                continue  # not ended yet
+        except ChildProcessError:
+            pass  # reaped elsewhere
+        _KILLED.discard(pid)
 
 
 _KILLED: set[int] = set()  # hosts killed but not yet reaped (they are this process's children)
@@ -185,9 +188,8 @@ _KILLED: set[int] = set()  # hosts killed but not yet reaped (they are this proc
 class CandidateHost:
     """One candidate's process, as the worker drives it: shared buffers, bound calls, timed requests."""
 
-    def __init__(self, pid: int, sock: socket.socket, threads: int) -> None:
-        self.pid, self.threads_allowed = pid, threads
-        self._sock = sock
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid, self._sock = pid, sock
         self._arenas: list[tuple[mmap.mmap, np.ndarray]] = []  # arena i has id i + 1 in the host
         self._current = 0  # the arena allocations come from
         self._used = 0  # bytes taken from it
@@ -358,15 +360,9 @@ class CandidateHost:
             self._died(answer)
         return answer
 
-    def _request(self, msg: bytes, expect: bytes | None = None) -> bytes:
-        try:
-            self._sock.send(msg)
-        except OSError:
-            self._died(b"")
-        answer = self.receive()
-        if expect is not None and answer != expect:
-            raise RuntimeError(f"the candidate's process answered {answer[:80]!r}")
-        return answer
+    def _request(self, msg: bytes) -> bytes:
+        self.send(msg)
+        return self.receive()
 
     def _expect(self, what: bytes) -> None:
         answer = self.receive()
@@ -374,7 +370,7 @@ class CandidateHost:
             raise RuntimeError(f"the candidate's process answered {answer[:80]!r}")
 
     def _died(self, answer: bytes) -> None:
-        """Raises :class:`HostDied` with how the host ended (reaped by the template)."""
+        """Raises :class:`HostDied` with how the host ended (reaped here)."""
         if answer:
             raise RuntimeError(f"the candidate's process answered {answer[:80]!r}")
         with contextlib.suppress(ProcessLookupError):
@@ -415,7 +411,7 @@ _PROT_EXEC = 0x4
 _MAP_ANONYMOUS = 0x20
 def compiled_filters() -> dict[str, bytes] | None:
     """The hosts' system-call filters as BPF programs (see the module docstring), compiled once, in the
-    template: ``one_thread`` and ``threads`` (one per thread policy), and ``no_exec`` (loaded on top once
+    worker: ``one_thread`` and ``threads`` (one per thread policy), and ``no_exec`` (loaded on top once
     the candidate's library is in). ``None`` without libseccomp."""
     try:
         import pyseccomp as sc

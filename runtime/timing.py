@@ -122,19 +122,17 @@ def time_interleaved(
     settings: TimingSettings,
     *,
     before: Callable[[], object] | None = None,
-    after: Callable[[], object] | None = None,
     timer: Callable[[Callable[[], object]], float] | None = None,
     round_start: Callable[[], object] | None = None,
     round_end: Callable[[], object] | None = None,
 ) -> TimingRun:
     """Times ``candidate`` and ``reference`` side by side (see the module docstring for when it stops).
 
-    ``before`` and ``after`` run untimed around every timed candidate call: the cascade poisons the
-    outputs before and checks they were written after, so a kernel cannot skip work once it has
-    passed its checks. ``timer(fn)`` runs ``fn`` and returns its seconds (default: ``perf_counter``
-    around the call); the CUDA backend passes one that times with CUDA events. ``round_start`` and
-    ``round_end`` run untimed around each round (both calls): the C backend writes fresh inputs before
-    and checks the candidate's outputs against the reference's after.
+    ``before`` runs untimed before every timed candidate call (the CUDA backend poisons the outputs).
+    ``timer(fn)`` runs ``fn`` and returns its seconds (default: ``perf_counter`` around the call); the
+    CUDA backend passes one that times with CUDA events, the C backend one that times a request to the
+    candidate's host. ``round_start`` and ``round_end`` run untimed around each round (both calls): the
+    C backend draws fresh inputs before and checks every call's outputs against the reference's after.
     """
     clock = time.perf_counter_ns
     start = clock()
@@ -160,8 +158,6 @@ def time_interleaved(
             else:
                 out.append(timer(fn))
             inside += clock() - t0
-            if is_candidate and after is not None:
-                after()
         if round_end is not None:
             round_end()
         now = clock()

@@ -143,7 +143,7 @@ class CProgram(Program, RunsGivenInputs, Duels):
         self.task, self.host, self.settings, self.ctx = task, host, settings, ctx
         self.clock = CallClock()
         self._full: Instance | None = None  # the full case of the last check: what is timed
-        self._call_s = 1e-3  # seconds of the last checked call
+        self._call_s = 1e-3  # seconds of one call on the full case, from _probe: sizes the ring
         # The host runs only while this process waits on it: on this process's core, a request costs a few
         # microseconds instead of a cross-core wake-up (tens). This process stays free to move (another
         # worker may need the core); the timing stage pins both to its own core.
@@ -164,27 +164,26 @@ class CProgram(Program, RunsGivenInputs, Duels):
         inst.expect(self.task, self.clock)
         return inst
 
-    def _bind(self, inst: Instance) -> int:
+    def _bind(self, case: Case, arrays: Mapping[str, np.ndarray]) -> int:
         try:
-            return self.host.bind(self.task.kernel_args(inst.case, inst.arrays))
+            return self.host.bind(self.task.kernel_args(case, arrays))
         except TypeError as exc:
             raise Failure(Status.INVALID, f"the task's kernel arguments cannot be passed: {exc}") from None
 
-    def _call(self, inst: Instance) -> float:
-        handle = self._bind(inst)
+    def _call(self, inst: Instance) -> None:
+        handle = self._bind(inst.case, inst.arrays)
         inst.poison()
         t0 = time.perf_counter()
         try:
-            seconds, _ = self.host.call_many((handle,))
+            self.host.call_many((handle,))
         finally:
             self.clock.calls += time.perf_counter() - t0
         inst.verify_integrity()
-        return seconds
 
     def _check_case(self, case: Case, *, keep: bool = False, kind: str = "typical") -> Instance:
         mark = self.host.mark()
         inst = self._prepared(case, kind=kind)
-        self._call_s = self._call(inst)
+        self._call(inst)
         compare(self.task, inst)
         if not keep:
             self.host.release(mark)
@@ -201,22 +200,18 @@ class CProgram(Program, RunsGivenInputs, Duels):
     def _ring(self, like: Instance, size: int) -> tuple[Ring, _Calls]:
         """``size`` instances of ``like``'s case in this host's memory, and the requests calling each once."""
         ring = Ring(self.task, like, size, self.host.alloc)
-        try:
-            handles = [self.host.bind(self.task.kernel_args(ring.case, ring.arrays(j))) for j in range(size)]
-        except TypeError as exc:
-            raise Failure(Status.INVALID, f"the task's kernel arguments cannot be passed: {exc}") from None
-        return ring, _Calls(self, handles)
+        return ring, _Calls(self, [self._bind(ring.case, ring.arrays(j)) for j in range(size)])
 
     def _probe(self, inst: Instance) -> None:
         """Seconds of one call on ``inst``, over a short request (for the ring's size only, never a fitness)."""
-        handle = self._bind(inst)
+        handle = self._bind(inst.case, inst.arrays)
         seconds, _ = self.host.call_many((handle,) * 4)
         self._call_s = seconds / 4
         inst.verify_integrity()
 
     def _ring_size(self, inst: Instance) -> int:
-        """Calls per timed request: enough that one lasts ~0.2 ms, so the round trip to the host (a few
-        microseconds, calibrated and subtracted) hardly matters; at most 64, and 64 MB of buffers."""
+        """Calls per timed request: enough that one lasts ~50 us, so the round trip to the host (a few
+        microseconds, calibrated and subtracted) hardly matters; at most 16, and 64 MB of buffers."""
         nbytes = sum(raw.nbytes for raw in inst.raws.values())
         by_time = int(_SAMPLE_S / max(self._call_s, 1e-9))
         return max(1, min(_MAX_RING, by_time, _RING_BYTES // max(nbytes, 1)))

@@ -23,6 +23,18 @@ def kernel(body: str, prelude: str = "") -> str:
 
 CORRECT = "for (int i = 0; i < n; i++) y[i] = a * x[i] + b;"
 
+# An honest matmul candidate (naive triple loop), the base every cheating matmul kernel copies.
+MATMUL_SIGNATURE = "void kernel(int M, int N, int K, const float *A, const float *B, float *C)"
+MATMUL_COMPUTE = """
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) s += A[i * K + k] * B[k * N + j];
+            C[i * N + j] = s;
+        }
+"""
+MATMUL_HONEST = f"{MATMUL_SIGNATURE} {{{MATMUL_COMPUTE}}}\n"
+
 
 def make_settings(tmp: str, **sandbox: Any) -> EvalSettings:
     """Settings that keep the tests quick: short timing, a private timing lock, a short wall limit."""

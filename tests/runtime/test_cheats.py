@@ -14,6 +14,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from runtime_helpers import MATMUL_COMPUTE as COMPUTE
+from runtime_helpers import MATMUL_HONEST as HONEST
+from runtime_helpers import MATMUL_SIGNATURE as SIGNATURE
 from runtime_helpers import make_settings
 
 from genome import Genome
@@ -24,17 +27,7 @@ from runtime.settings import TaskSpec
 from runtime.task import load_task_class
 
 SPEC = TaskSpec(name="matmul", args={"m": 128, "n": 128, "k": 128})
-SIGNATURE = "void kernel(int M, int N, int K, const float *A, const float *B, float *C)"
 PRELUDE = "#include <stdlib.h>\n#include <string.h>\n"
-COMPUTE = """
-    for (int i = 0; i < M; i++)
-        for (int j = 0; j < N; j++) {
-            float s = 0.0f;
-            for (int k = 0; k < K; k++) s += A[i * K + k] * B[k * N + j];
-            C[i * N + j] = s;
-        }
-"""
-HONEST = f"{SIGNATURE} {{{COMPUTE}}}\n"
 
 # Remembers the output of every pair of buffers it was called on (up to 64); copies it when called on the
 # same buffers again.

@@ -14,6 +14,9 @@ import os
 import platform
 
 import pytest
+from runtime_helpers import MATMUL_COMPUTE as COMPUTE
+from runtime_helpers import MATMUL_HONEST as HONEST
+from runtime_helpers import MATMUL_SIGNATURE as SIGNATURE
 from runtime_helpers import make_settings, request, run
 
 from runtime.host import filter_available
@@ -21,16 +24,6 @@ from runtime.result import Status
 from runtime.settings import TaskSpec
 
 MATMUL = TaskSpec(name="matmul", args={"m": 128, "n": 128, "k": 128})
-SIGNATURE = "void kernel(int M, int N, int K, const float *A, const float *B, float *C)"
-COMPUTE = """
-    for (int i = 0; i < M; i++)
-        for (int j = 0; j < N; j++) {
-            float s = 0.0f;
-            for (int k = 0; k < K; k++) s += A[i * K + k] * B[k * N + j];
-            C[i * N + j] = s;
-        }
-"""
-HONEST = f"{SIGNATURE} {{{COMPUTE}}}\n"
 
 # Tries every door out of its process once, on its first call (after its library is loaded, so under the
 # whole filter); any door that opens is printed to the log and spoils the output.
