@@ -78,10 +78,12 @@ def _prepare(init: dict[str, Any], tasks: _Tasks) -> WorkerContext:
             importlib.import_module(name)
         except ImportError:
             pass
+    prepared = []
     for spec in profile.preload:
         try:
             task = tasks.get(spec)
             backend_for(task).prepare_worker(task)
+            prepared.append(task)
         except Exception:  # noqa: BLE001 - reported when a request needs it
             traceback.print_exc()
     hardware = fingerprint(profile.cc)
@@ -95,8 +97,14 @@ def _prepare(init: dict[str, Any], tasks: _Tasks) -> WorkerContext:
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
         sys.exit(0)
-    return WorkerContext(cache_dir=f"/proc/self/fd/{cache_fd}", work_dir=os.getcwd(), lock=lock, hardware=hardware,
-                         cc=profile.cc)  # fmt: skip
+    ctx = WorkerContext(cache_dir=f"/proc/self/fd/{cache_fd}", work_dir=os.getcwd(), lock=lock, hardware=hardware,
+                        cc=profile.cc)  # fmt: skip
+    for task in prepared:
+        try:
+            backend_for(task).sandboxed(task, ctx)
+        except Exception:  # noqa: BLE001 - reported when a request needs it
+            traceback.print_exc()
+    return ctx
 
 
 def main(argv: list[str]) -> int:

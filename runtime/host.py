@@ -404,6 +404,7 @@ _DENIED = (
     "keyctl", "add_key", "request_key", "kexec_load", "init_module", "finit_module", "delete_module",
     "memfd_secret", "name_to_handle_at", "open_by_handle_at", "sethostname", "setdomainname",
     "setpriority", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr", "ioprio_set",
+    "setsid", "setpgid",
 )  # fmt: skip
 _PRCTL_DENIED = (4, 0x59616D61, 35)  # PR_SET_DUMPABLE, PR_SET_PTRACER, PR_SET_MM
 _CLONE_THREAD = 0x00010000
@@ -411,17 +412,21 @@ _PROT_EXEC = 0x4
 _MAP_ANONYMOUS = 0x20
 def compiled_filters() -> dict[str, bytes] | None:
     """The hosts' system-call filters as BPF programs (see the module docstring), compiled once, in the
-    worker: ``one_thread`` and ``threads`` (one per thread policy), and ``no_exec`` (loaded on top once
-    the candidate's library is in). ``None`` without libseccomp."""
+    worker: ``one_thread`` and ``threads`` (one per thread policy of a kernel), ``engine`` (an engine's
+    host: threads, forked workers and local socket pairs for them), and ``no_exec`` (loaded on top once
+    the candidate's code is in). ``None`` without libseccomp."""
     try:
         import pyseccomp as sc
     except (ImportError, OSError):
         return None
     eperm = sc.ERRNO(errno.EPERM)
 
-    def base() -> Any:
+    def base(*, pairs: bool = False) -> Any:
         f = sc.SyscallFilter(defaction=sc.ALLOW)
         for call in _DENIED:
+            if pairs and call == "socketpair":
+                f.add_rule(eperm, call, sc.Arg(0, sc.NE, socket.AF_UNIX))  # an unnamed local pair reaches no one
+                continue
             with contextlib.suppress(Exception):  # a call this architecture does not have
                 f.add_rule(eperm, call)
         for call in ("clone3", "openat2"):  # arguments out of a filter's reach: glibc falls back to clone
@@ -444,10 +449,11 @@ def compiled_filters() -> dict[str, bytes] | None:
     one_thread.add_rule(eperm, "clone")
     threads = base()
     threads.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))  # threads, never a process
+    engine = base(pairs=True)  # an engine's host: threads and its own worker processes (clone) allowed
     no_exec = sc.SyscallFilter(defaction=sc.ALLOW)  # once the library is in: no executable mapping at all
     no_exec.add_rule(eperm, "mmap", sc.Arg(2, sc.MASKED_EQ, _PROT_EXEC, _PROT_EXEC))
     out = {}
-    for key, f in (("one_thread", one_thread), ("threads", threads), ("no_exec", no_exec)):
+    for key, f in (("one_thread", one_thread), ("threads", threads), ("engine", engine), ("no_exec", no_exec)):
         r, w = os.pipe()
         try:
             f.export_bpf(os.fdopen(os.dup(w), "wb"))

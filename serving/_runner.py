@@ -121,17 +121,24 @@ class EngineHost:
         return self.current is not None
 
     def build(self, elite: str) -> EngineRunner:
-        """Loads (``best``, an id or prefix, or ``default``), starts and warms an engine; slow, call in a thread."""
-        from runtime.engine import Engine, EngineConfig, load_elite, load_model, numpy_ops
+        """Loads (``best``, an id or prefix, or ``default``), starts and warms an engine; slow, call in a thread.
+
+        The engine's kernels run in a host process of their own (:func:`runtime.engine.hosted.spawn_host`),
+        started from a fresh interpreter whose environment holds no key: nothing of this process's memory
+        is in it. Tokenising, batching and the timings stay here."""
+        from runtime.engine import EngineConfig, elite_task, load_model
+        from runtime.engine.hosted import spawn_host
         from serving._runs import resolve_engine_elite
 
         if self.model is None:
             self.model = load_model()
         eid, note = resolve_engine_elite(self.run_dir, elite)
         if eid is None:
-            engine = Engine(self.model, numpy_ops(), EngineConfig())
+            config, spec = EngineConfig(), {}
         else:
-            engine = load_elite(self.run_dir, eid, model=self.model)
+            config = elite_task(self.run_dir, eid, model=self.model)[1]
+            spec = {"run_dir": str(self.run_dir), "elite": eid}
+        engine = spawn_host(self.model, config, {**spec, "model_dir": str(self.model.path)})
         runner = EngineRunner(engine, Served(eid, str(self.run_dir), note), self.metrics)
         try:
             runner.warm((_WARM_TEXTS * self.warmup)[: max(1, self.warmup)])

@@ -256,6 +256,10 @@ class Backend(abc.ABC, Generic[T]):
         """Runs once in a worker before it drops privileges: loads every module and file ``task``'s
         evaluations will need (later they may not be readable)."""
 
+    def sandboxed(self, task: T, ctx: WorkerContext) -> None:
+        """Runs once in a worker right after it entered its sandbox, before its first evaluation (e.g. to
+        fork a clean template process for candidate hosts). The default does nothing."""
+
     def hardware(self, task: T, ctx: WorkerContext) -> dict[str, Any] | None:
         """The hardware fingerprint results carry (the default: the worker's)."""
         return ctx.hardware

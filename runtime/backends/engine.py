@@ -1,19 +1,30 @@
 """The engine backend: a candidate is an engine configuration (:class:`runtime.engine.EngineConfig`), built
-with its kernels, checked for similarity to the fp32 engine and measured under closed-loop load.
+with its kernels in a host process of its own, checked for similarity to the fp32 engine and measured
+under closed-loop load.
 
 Stages and statuses are the C backend's: a genome outside the engine's options is ``invalid``, a kernel
-that does not compile ``compile_error``, an engine under the similarity floor ``wrong``. The load runs
-under the machine-wide timing lock, pinned to ``threads`` cores. The default engine
-(:class:`EngineConfig` defaults: one worker, one BLAS thread, numpy operators, fp32) is measured under
-the same load and cores, again whenever its figures are older than ``reference_every_s`` (0: right
-before every candidate); ``vs_reference`` is the candidate's throughput over it. Those figures are this
-backend's state in the worker, kept across the candidates it evaluates. Stage ``run`` is not offered.
+that does not compile ``compile_error``, an engine under the similarity floor ``wrong``.
+
+The boundary (see :mod:`runtime.engine.host`): the candidate's kernels run only in its host, forked from
+a template process that holds the model and nothing else of the worker. Tokenising, batching, the load
+and its clock stay in the worker. Every load sends texts the engine has never seen (so remembering
+answers gains nothing), and ``_VERIFIED`` of its answers, chosen after it, are checked against the fp32
+engine computed here; under the floor is ``wrong``. While one engine is measured, every other engine
+process of the worker is stopped (SIGSTOP): none can slow the reference or a rival. The reference (the
+default engine: one worker, one BLAS thread, numpy operators, fp32) runs in a host too, under the same
+load, cores and path, again whenever its figures are older than ``reference_every_s`` (0: right before
+every candidate); ``vs_reference`` is the candidate's throughput over it. Those figures are this
+backend's state in the worker. Stage ``run`` is not offered.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,38 +43,78 @@ from runtime.backends.base import (
     Program,
     WorkerContext,
 )
-from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.engine import EngineConfig
+from runtime.engine.hosted import (
+    EngineBuildFailed,
+    EngineTemplate,
+    HostedEngine,
+    frozen,
+    group_except,
+    pin,
+    process_tree,
+    statm_mb,
+)
 from runtime.engine.load import LoadResult, closed_loop
 from runtime.engine.task import EngineTask
-from runtime.engine.workers import proportional_mb
+from runtime.host import HostDied
 from runtime.result import Status
 from runtime.settings import EvalSettings
 from runtime.timing import pinned
 from runtime.toolchain.cc import CompileError, CompilerNotFound, compiler_version
 
-__all__ = ["DUEL_ROUNDS", "EngineBackend", "EngineProgram", "measure"]
+__all__ = ["DUEL_ROUNDS", "EngineBackend", "EngineProgram", "Loaded", "measure"]
 
 DUEL_ROUNDS = 2
+_VERIFIED = 32  # answers of each load checked against the fp32 engine, chosen once it is over
 
 
-def measure(engine: Engine, task: EngineTask, *, close: bool = True) -> tuple[LoadResult, float, int]:
-    """Starts ``engine``, runs the task's load on it, then stops it (and, with ``close``, frees its kernels).
+@dataclass
+class Loaded:
+    """One load on one engine: its figures, its processes' memory (MB) at the end, the batches it ran, and
+    every answered request (text, future)."""
 
-    Returns the load's figures, the memory (PSS, MB, of this process and the engine's worker processes)
-    at its end, and the batches the engine ran.
-    """
+    result: LoadResult
+    memory_mb: float
+    batches: int
+    answers: list[tuple[str, Future[Any]]]
+
+
+def measure(engine: HostedEngine, task: EngineTask, cores: set[int] | None = None) -> Loaded:
+    """Starts ``engine`` (its processes on ``cores``), runs the task's load on new texts, then stops it."""
     a = task.args
+    if cores is not None:
+        pin(engine.process.tree(), cores)
+    answers: list[tuple[str, Future[Any]]] = []
+
+    def submit(text: str) -> Future[Any]:
+        fut = engine.submit(text)
+        answers.append((text, fut))
+        return fut
+
     engine.start()
     try:
-        result = closed_loop(engine.submit, task.texts(), concurrency=a.concurrency, duration_s=a.duration_s,
-                             warmup_s=a.warmup_s)
-        memory, batches = proportional_mb(engine.worker_pids), engine.batches
+        result = closed_loop(submit, task.fresh_texts(secrets.randbits(63)), concurrency=a.concurrency,
+                             duration_s=a.duration_s, warmup_s=a.warmup_s)  # fmt: skip
+        memory = statm_mb(engine.process.tree(), task.model().nbytes())
+        batches = engine.batches
     finally:
-        if close:
-            engine.close()
-        else:
-            engine.stop()
-    return result, memory, batches
+        engine.stop()
+    return Loaded(result, memory, batches, answers)
+
+
+@contextlib.contextmanager
+def _host_failures() -> Iterator[None]:
+    """The host's death, or a batch it failed, end the candidate: ``crash`` (``timeout`` on its CPU limit)."""
+    try:
+        yield
+    except HostDied as exc:
+        if exc.signal_name == "SIGXCPU":
+            raise Failure(Status.TIMEOUT, f"{exc}: its CPU time limit") from None
+        raise Failure(Status.CRASH, str(exc)) from None
+    except RuntimeError as exc:
+        if str(exc).startswith("the engine failed"):
+            raise Failure(Status.CRASH, str(exc)[-4000:]) from None
+        raise
 
 
 @dataclass
@@ -76,29 +127,55 @@ class _Reference:
 
 @dataclass
 class EngineProgram(Program, Duels):
-    """A built engine (its kernels loaded), not started."""
+    """A built engine, in its host (its kernels loaded), not started."""
 
     task: EngineTask
-    engine: Engine
+    engine: HostedEngine
     config: EngineConfig
     settings: EvalSettings
     ctx: WorkerContext
     reference: _Reference
+    backend: EngineBackend
     calls_s: float = 0.0
     _closed: bool = field(default=False, repr=False)
 
     def _similarity(self) -> tuple[dict[str, Any], float]:
         """The similarity metric and the seconds its check took; under the floor it is ``wrong``."""
         t0 = time.perf_counter()
-        similarity = self.task.similarity(self.engine)
+        with _host_failures():
+            similarity = self.task.similarity(self.engine)
         spent = time.perf_counter() - t0
         self.calls_s += spent
         floor = self.task.args.similarity_floor
-        if similarity < floor:
+        if not similarity >= floor:
             raise Failure(Status.WRONG, f"min cosine to the fp32 engine {similarity:.5f} is under the floor "
                           f"{floor:g} (precision {self.config.precision})", metrics={"similarity": similarity},
                           timings={"check_s": spent})  # fmt: skip
         return {"similarity": similarity}, spent
+
+    def _verify(self, loads: list[Loaded]) -> float:
+        """The min cosine of ``_VERIFIED`` answers of ``loads`` (chosen now) to the fp32 engine's; under the
+        floor is ``wrong``. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        done = [(text, fut.result()) for load in loads for text, fut in load.answers
+                if fut.done() and fut.exception() is None]  # fmt: skip
+        if not done:
+            return 0.0
+        rng = np.random.default_rng(secrets.randbits(63))
+        picked = [done[i] for i in rng.choice(len(done), size=min(_VERIFIED, len(done)), replace=False)]
+        expected = self.task.reference_embed([t for t, _ in picked])
+        got = np.stack([np.asarray(e, np.float32).reshape(-1) for _, e in picked])
+        cosine = float(np.min(np.sum(got * expected, axis=1))) if got.shape == expected.shape else float("nan")
+        floor = self.task.args.similarity_floor
+        if not cosine >= floor:
+            raise Failure(Status.WRONG, f"under load, min cosine to the fp32 engine {cosine:.5f} on {len(picked)} "
+                          f"new texts is under the floor {floor:g}", metrics={"load_similarity": cosine})  # fmt: skip
+        return time.perf_counter() - t0
+
+    def _load(self, engine: HostedEngine, cores: set[int]) -> Loaded:
+        """``engine``'s load, every other engine process of this worker stopped meanwhile."""
+        with _host_failures(), frozen(lambda: self.backend.others(engine)):
+            return measure(engine, self.task, cores)
 
     def check(self, trials: int) -> dict[str, Any]:
         return self._similarity()[0]
@@ -110,22 +187,27 @@ class EngineProgram(Program, Duels):
         with self.ctx.lock.held() as waited, pinned(settings.timing.core, task.cores) as cores:  # type: ignore[union-attr]
             age = time.monotonic() - ref.at
             if ref.load is None or age > a.reference_every_s:
-                default = task.build(EngineConfig(), compiler=settings.compiler, cache_dir=self.ctx.cache_dir)
-                ref.load, ref.at, age = measure(default, task)[0], time.monotonic(), 0.0
-            run, memory, batches = measure(self.engine, task, close=False)  # confirm() may check it again
+                default = self.backend.spawn(task, EngineConfig(), settings, self.ctx)
+                try:
+                    ref.load, ref.at, age = self._load(default, cores).result, time.monotonic(), 0.0
+                finally:
+                    self.backend.release(default)
+            run = self._load(self.engine, cores)
         spent = time.perf_counter() - t0 - waited
+        verify_s = self._verify([run])
         self.calls_s += spent
-        base = ref.load
-        over = run.p99_ms > a.p99_budget_ms
+        base, r = ref.load, run.result
+        over = r.p99_ms > a.p99_budget_ms
         metrics = dict(
-            throughput=run.throughput, p50_ms=run.p50_ms, p99_ms=run.p99_ms, mean_ms=run.mean_ms,
-            completed=run.completed, refused=run.refused, batches=batches,
-            mean_batch=run.completed / batches if batches else None, memory_mb=memory,
-            vs_reference=run.throughput / base.throughput if base.throughput else None,
+            throughput=r.throughput, p50_ms=r.p50_ms, p99_ms=r.p99_ms, mean_ms=r.mean_ms,
+            completed=r.completed, refused=r.refused, batches=run.batches,
+            mean_batch=r.completed / run.batches if run.batches else None, memory_mb=run.memory_mb,
+            vs_reference=r.throughput / base.throughput if base.throughput else None,
             ref_throughput=base.throughput, ref_p50_ms=base.p50_ms, ref_p99_ms=base.p99_ms, ref_age_s=age,
             over_budget=over, p99_budget_ms=a.p99_budget_ms, concurrency=a.concurrency, cores=sorted(cores),
         )  # fmt: skip
-        return Measurement(None if over else run.throughput, metrics, {"lock_wait_s": waited, "time_s": spent})
+        return Measurement(None if over else r.throughput, metrics,
+                           {"lock_wait_s": waited, "time_s": spent, "verify_s": verify_s})  # fmt: skip
 
     def confirm(self) -> None:
         """The similarity again, on the engine as it ran the load."""
@@ -133,39 +215,35 @@ class EngineProgram(Program, Duels):
 
     def duel(self, open_rival: Callable[[], Program]) -> Measurement:
         """The similarity check, then the rival's engine is built and the load runs on each engine in turn,
-        ``DUEL_ROUNDS`` rounds each under the lock; ``duel_ratio`` is the median throughput over the rival's.
-        The fitness is ``None`` when the median p99 is over the budget."""
+        ``DUEL_ROUNDS`` rounds each under the lock (the other one stopped); ``duel_ratio`` is the median
+        throughput over the rival's. The fitness is ``None`` when the median p99 is over the budget."""
         similarity, check_s = self._similarity()
         rival = open_rival()
         assert isinstance(rival, EngineProgram)
-        task, a = self.task, self.task.args
-        mine: list[LoadResult] = []
-        theirs: list[LoadResult] = []
+        mine: list[Loaded] = []
+        theirs: list[Loaded] = []
         t0 = time.perf_counter()
-        with self.ctx.lock.held() as waited, pinned(self.settings.timing.core, task.cores):  # type: ignore[union-attr]
+        with self.ctx.lock.held() as waited, pinned(self.settings.timing.core, self.task.cores) as cores:  # type: ignore[union-attr]
             for _ in range(DUEL_ROUNDS):
                 for e, out in ((self.engine, mine), (rival.engine, theirs)):
-                    e.start()
-                    try:
-                        out.append(closed_loop(e.submit, task.texts(), concurrency=a.concurrency,
-                                               duration_s=a.duration_s, warmup_s=a.warmup_s))
-                    finally:
-                        e.stop()
+                    out.append(self._load(e, cores))
         spent = time.perf_counter() - t0 - waited
+        verify_s = self._verify(mine)
         self.calls_s += spent
-        throughput = float(np.median([r.throughput for r in mine]))
-        rival_throughput = float(np.median([r.throughput for r in theirs]))
-        p99 = float(np.median([r.p99_ms for r in mine]))
+        throughput = float(np.median([x.result.throughput for x in mine]))
+        rival_throughput = float(np.median([x.result.throughput for x in theirs]))
+        p99 = float(np.median([x.result.p99_ms for x in mine]))
         metrics = {**similarity, "duel_ratio": throughput / rival_throughput if rival_throughput else float("inf"),
                    "throughput": throughput, "p99_ms": p99, "rival_throughput": rival_throughput,
                    "duel_rounds": DUEL_ROUNDS}  # fmt: skip
-        fitness = None if p99 > a.p99_budget_ms else throughput
-        return Measurement(fitness, metrics, {"check_s": check_s, "lock_wait_s": waited, "time_s": spent})
+        fitness = None if p99 > self.task.args.p99_budget_ms else throughput
+        return Measurement(fitness, metrics,
+                           {"check_s": check_s, "lock_wait_s": waited, "time_s": spent, "verify_s": verify_s})
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.engine.close()
+            self.backend.release(self.engine)
 
 
 class EngineBackend(Backend[EngineTask]):
@@ -177,11 +255,53 @@ class EngineBackend(Backend[EngineTask]):
 
     def __init__(self) -> None:
         self._references: dict[str, _Reference] = {}  # task class and args -> the default engine's figures
+        self._templates: dict[str, EngineTemplate] = {}  # model directory -> its template
+        self._live: set[HostedEngine] = set()
 
     def reference_of(self, task: EngineTask) -> _Reference:
         """The default engine's figures for ``task``'s load in this worker (empty until first measured)."""
         key = f"{type(task).__module__}:{type(task).__qualname__} {canonical_json(task.args.model_dump(mode='json'))}"
         return self._references.setdefault(key, _Reference())
+
+    # --- host processes ---------------------------------------------------------------------------
+
+    def template(self, task: EngineTask, ctx: WorkerContext) -> EngineTemplate:
+        """The template process engines of ``task``'s model are forked from (forked from here on first use)."""
+        key = str(task.model().path)
+        found = self._templates.get(key)
+        if found is None or not found.alive:
+            keep = []
+            if ctx.cache_dir.startswith("/proc/self/fd/"):
+                keep.append(int(ctx.cache_dir.removeprefix("/proc/self/fd/").split("/")[0]))
+            found = self._templates[key] = EngineTemplate(task.model(), keep)
+        return found
+
+    def spawn(self, task: EngineTask, config: EngineConfig, settings: EvalSettings, ctx: WorkerContext) -> HostedEngine:
+        """A host with ``config``'s engine built, its kernels loaded (compiled into the cache already)."""
+        template = self.template(task, ctx)
+        engine = template.spawn(config, task.kernel_sources(config), compiler=settings.compiler,
+                                cache_dir=ctx.cache_dir, cpu_seconds=settings.sandbox.cpu_seconds)  # fmt: skip
+        self._live.add(engine)
+        return engine
+
+    def release(self, engine: HostedEngine) -> None:
+        """Closes ``engine``'s host, and kills what any engine left behind when none is running."""
+        self._live.discard(engine)
+        engine.close()
+        if not self._live and os.getpgrp() == os.getpid():  # a worker leads its group
+            for pid in group_except(t.pid for t in self._templates.values()):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, 9)
+
+    def others(self, engine: HostedEngine) -> list[int]:
+        """The processes to stop while ``engine`` is measured: every other engine's, and, in a worker (which
+        leads its process group, which no engine may leave), every process an engine orphaned."""
+        keep = [engine.process.pid, *(t.pid for t in self._templates.values())]
+        if os.getpgrp() == os.getpid():
+            return group_except(keep)
+        return [pid for e in self._live if e is not engine for pid in process_tree(e.process.pid)]
+
+    # --- the backend -------------------------------------------------------------------------------
 
     def preflight(self, task: EngineTask, settings: EvalSettings, *, compile_only: bool = False) -> None:
         try:
@@ -190,10 +310,11 @@ class EngineBackend(Backend[EngineTask]):
             raise BackendUnavailable(str(exc)) from None
 
     def prepare_worker(self, task: EngineTask) -> None:
-        """Loads the task's model, texts, reference embeddings and kernel sources, and makes one round trip
-        through a process worker, so that forking and the child's loop have what they import."""
+        """Loads the task's model, texts and kernel sources, and makes one round trip through a process
+        worker, so that the hosts' forked workers and their loop have what they import."""
         import threadpoolctl  # noqa: F401
 
+        import runtime.engine.host  # noqa: F401
         from runtime.engine.workers import ProcessWorkers
 
         task.prime()
@@ -202,6 +323,10 @@ class EngineBackend(Backend[EngineTask]):
             workers([np.zeros(3, np.int32)])
         finally:
             workers.close()
+
+    def sandboxed(self, task: EngineTask, ctx: WorkerContext) -> None:
+        """Forks the engines' template now, before any evaluation puts reference embeddings in memory."""
+        self.template(task, ctx)
 
     def compile(self, task: EngineTask, genome: Genome, settings: EvalSettings, ctx: WorkerContext) -> Build:
         """``genome``'s engine configuration, validated, and its kernels compiled into the cache (not loaded)."""
@@ -217,13 +342,13 @@ class EngineBackend(Backend[EngineTask]):
         return Build(genome, config, seconds)
 
     def load(self, task: EngineTask, build: Build, settings: EvalSettings, ctx: WorkerContext) -> EngineProgram:
-        """The engine: the model in the configuration's precision, its kernels loaded from the cache."""
+        """The engine in a host of its own: the model in the configuration's precision, its kernels loaded."""
         try:
-            engine = task.build(build.artifact, compiler=settings.compiler, cache_dir=ctx.cache_dir,
-                                work_dir=ctx.work_dir)  # fmt: skip
-        except CompileError as exc:  # e.g. a library without the kernel function
-            raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
-        return EngineProgram(task, engine, build.artifact, settings, ctx, self.reference_of(task))
+            with _host_failures():
+                engine = self.spawn(task, build.artifact, settings, ctx)
+        except EngineBuildFailed as exc:  # e.g. a library without the kernel function
+            raise Failure(Status.COMPILE_ERROR, str(exc)) from None
+        return EngineProgram(task, engine, build.artifact, settings, ctx, self.reference_of(task), self)
 
 
 def _lengths(seqs: list[np.ndarray]) -> np.ndarray:

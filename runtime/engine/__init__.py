@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.load import LoadResult, closed_loop
@@ -17,6 +17,10 @@ from runtime.engine.model import Model, ModelConfig, Precision, load_model
 from runtime.engine.ops import SLOT_TASKS, SLOTS, Ops, c_slot, numpy_ops
 from runtime.engine.runs import KernelSource, RunNotFound, StoredRun, build_ops
 from runtime.engine.scheduler import Batcher, BatcherClosed, QueueFull
+
+if TYPE_CHECKING:
+    from runtime.engine.task import EngineTask
+    from runtime.settings import CompilerSettings
 
 __all__ = [
     "SLOTS",
@@ -37,22 +41,19 @@ __all__ = [
     "build_ops",
     "c_slot",
     "closed_loop",
+    "elite_task",
     "load_elite",
     "load_model",
     "numpy_ops",
 ]
 
 
-def load_elite(
+def elite_task(
     run_dir: str | Path, candidate_id: str, *, model: Model | None = None, overrides: Mapping[str, Any] | None = None
-) -> Engine:
-    """The engine of candidate ``candidate_id`` (or a unique prefix) of an ``engine`` run, ready to start.
-
-    Its kernels are compiled into (or found in) the run's compile cache. Pass ``model`` to share
-    already loaded weights, ``overrides`` to change fields of its :class:`EngineConfig` (e.g.
-    ``{"worker_kind": "process"}``). Raises :class:`RunNotFound` for a missing run or candidate,
-    ValueError when the run is not an engine run or an override is not a valid setting.
-    """
+) -> tuple[EngineTask, EngineConfig, CompilerSettings, str]:
+    """The task, engine configuration, compiler and compile cache (the run's) of candidate ``candidate_id`` (or
+    a unique prefix) of an ``engine`` run. Raises :class:`RunNotFound` for a missing run or candidate,
+    ValueError when the run is not an engine run or an override is not a valid setting."""
     from runtime.engine.task import EngineTask
     from runtime.task import load_task_class
 
@@ -68,4 +69,18 @@ def load_elite(
     config = task.engine_config(cand.genome)
     if overrides:
         config = EngineConfig.model_validate({**config.model_dump(), **overrides})
-    return task.build(config, compiler=run.compiler, cache_dir=str(run.cache_dir))
+    return task, config, run.compiler, str(run.cache_dir)
+
+
+def load_elite(
+    run_dir: str | Path, candidate_id: str, *, model: Model | None = None, overrides: Mapping[str, Any] | None = None
+) -> Engine:
+    """The engine of candidate ``candidate_id`` (or a unique prefix) of an ``engine`` run, ready to start, in
+    this process (:func:`runtime.engine.hosted.spawn_host` builds one in a host process instead).
+
+    Its kernels are compiled into (or found in) the run's compile cache. Pass ``model`` to share
+    already loaded weights, ``overrides`` to change fields of its :class:`EngineConfig` (e.g.
+    ``{"worker_kind": "process"}``). Raises as :func:`elite_task` does.
+    """
+    task, config, compiler, cache_dir = elite_task(run_dir, candidate_id, model=model, overrides=overrides)
+    return task.build(config, compiler=compiler, cache_dir=cache_dir)

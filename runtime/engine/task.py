@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -211,10 +211,11 @@ class EngineTask(Task):
     # --- building and measuring (in the worker) -------------------------------------------------
 
     def prime(self) -> None:
-        """Loads the model, the request texts, the fp32 reference embeddings and the kernel sources
-        (a worker calls this before dropping privileges: later it may not read these files)."""
+        """Loads the model, the request texts and the kernel sources (a worker calls this before dropping
+        privileges: later it may not read these files). Not the reference embeddings: the engines' template
+        process is forked after this, and nothing a candidate could copy may exist in it."""
         self.model()
-        self._reference_embeddings()
+        self.texts()
         for slot, ids in self.kernel_choices().items():
             for cid in ids:
                 self._kernel_source(slot, cid)
@@ -231,15 +232,24 @@ class EngineTask(Task):
         return self._model
 
     def texts(self) -> list[str]:
-        """The request texts: words drawn from the model's vocabulary, with lengths from ``lengths``."""
+        """The fixed texts: words drawn from the model's vocabulary, with lengths from ``lengths``; the
+        first ones are the similarity check's."""
         if self._texts is None:
             self._texts = request_texts(self.model(), self.args.lengths, self.args.texts, self.args.seed)
         return self._texts
 
+    def fresh_texts(self, salt: int) -> FreshTexts:
+        """An endless sequence of new texts like :meth:`texts` (a load never sends an engine one twice)."""
+        return FreshTexts(self.model().tokenizer.vocabulary_words(), self.args.lengths, salt)
+
     def _reference_embeddings(self) -> np.ndarray:
         if self._reference is None:
-            self._reference = Engine(self.model(), numpy_ops(), EngineConfig()).embed(self.texts()[:_CHECK_TEXTS])
+            self._reference = self.reference_embed(self.texts()[:_CHECK_TEXTS])
         return self._reference
+
+    def reference_embed(self, texts: Sequence[str]) -> np.ndarray:
+        """The fp32 numpy engine's embeddings of ``texts``, computed in this process."""
+        return Engine(self.model(), numpy_ops(), EngineConfig()).embed(list(texts))
 
     def _run_holding(self, slot: str, cid: str) -> str:
         """The slot's kernel run that holds ``cid`` (an elite no longer among the top ones, say, since
@@ -260,17 +270,19 @@ class EngineTask(Task):
             self._sources[key] = StoredRun(run_dir).kernel_source(slot, cid)
         return self._sources[key]
 
+    def kernel_sources(self, config: EngineConfig) -> dict[str, KernelSource]:
+        """The source of each kernel ``config`` names, by slot."""
+        return {slot: self._kernel_source(slot, cid) for slot, cid in config.kernels.items()}
+
     def compile_kernels(self, config: EngineConfig, *, compiler: CompilerSettings, cache_dir: str,
                         work_dir: str | None = None) -> float:
         """Compiles ``config``'s kernels into the cache without loading them; returns the compile seconds."""
-        sources = {slot: self._kernel_source(slot, cid) for slot, cid in config.kernels.items()}
-        return compile_kernels(sources, compiler=compiler, cache_dir=cache_dir, work_dir=work_dir)
+        return compile_kernels(self.kernel_sources(config), compiler=compiler, cache_dir=cache_dir, work_dir=work_dir)
 
     def build(self, config: EngineConfig, *, compiler: CompilerSettings, cache_dir: str,
               work_dir: str | None = None) -> Engine:
         """The engine of ``config``: the model in its precision, its kernels compiled (cached) and loaded."""
-        sources = {slot: self._kernel_source(slot, cid) for slot, cid in config.kernels.items()}
-        ops = build_ops(sources, compiler=compiler, cache_dir=cache_dir, work_dir=work_dir)
+        ops = build_ops(self.kernel_sources(config), compiler=compiler, cache_dir=cache_dir, work_dir=work_dir)
         return Engine(self.model().with_precision(config.precision), ops, config)
 
     def similarity(self, engine: Engine) -> float:
@@ -300,6 +312,26 @@ def _frozen(kr: dict[str, Any]) -> dict[str, Any]:
     except (RunNotFound, TypeError, ValueError):
         return kr
     return {**kr, "ids": ids} if ids else kr
+
+
+class FreshTexts(Sequence[str]):
+    """Text ``k`` of an endless sequence, drawn from ``(salt, k)`` like :func:`request_texts` (lengths from
+    ``lengths``, +-25%): an engine under load never sees a text twice, so remembering answers gains nothing."""
+
+    def __init__(self, vocab: Sequence[str], lengths: Mapping[int, float], salt: int) -> None:
+        self._vocab, self._salt = vocab, salt
+        self._targets = np.array(list(lengths), dtype=np.int64)
+        weights = np.array(list(lengths.values()), dtype=np.float64)
+        self._p = weights / weights.sum()
+
+    def __len__(self) -> int:
+        return 1 << 62
+
+    def __getitem__(self, k: int) -> str:  # type: ignore[override]
+        rng = np.random.default_rng([self._salt, k])
+        t = rng.choice(self._targets, p=self._p)
+        words = max(1, int(round(t * rng.uniform(0.75, 1.25))) - 2)  # [CLS] and [SEP] are tokens too
+        return " ".join(self._vocab[i] for i in rng.integers(0, len(self._vocab), words))
 
 
 def request_texts(model: Model, lengths: Mapping[int, float], n: int, seed: int) -> list[str]:

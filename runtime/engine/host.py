@@ -1,0 +1,278 @@
+"""Inside an engine's host process: the only process an engine candidate's kernels run in.
+
+A worker never loads an engine candidate itself. It asks a template process (:func:`template_main`,
+forked from the worker once, before anything worth stealing exists in the worker: the model and the
+kernel sources are loaded, the reference embeddings are not) to fork a host per engine. A server
+starts a fresh interpreter instead (``python -m runtime.engine.host``), whose environment holds no key.
+
+A host:
+
+- keeps no descriptor of its parent but its own socket, the compile cache and the standard streams
+  (not the timing lock, not the worker's pipe to the controller);
+- is not dumpable, dies with its parent, and stays in the worker's process group (it may not leave
+  it), so killing the worker's group kills every process an engine started;
+- runs the kernels under the ``engine`` system-call filter (:func:`runtime.host.compiled_filters`),
+  loaded before the first kernel library: threads and its own worker processes are allowed, sockets
+  (but an unnamed local pair for its workers), signals, exec, writes to files and new code are not;
+  once the kernels are loaded and have run once, no executable mapping at all;
+- answers over :mod:`runtime.engine.wire`: ``B`` a batch of token ids, answered ``O`` (embeddings) or
+  ``X`` (the error); ``S`` starts its workers (answered ``S`` with what runs); ``T`` stops them once
+  the batches in flight are done; ``Q`` or a closed socket ends it.
+
+Batching, tokenising and every clock stay with the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import json
+import os
+import resource
+import signal
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from runtime.engine.wire import decode_batch, encode_result, read_frame, write_frame
+
+if TYPE_CHECKING:
+    from runtime.engine.engine import Engine
+    from runtime.engine.model import Model
+
+__all__ = ["load_filter", "serve", "template_main"]
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_SECCOMP = 22
+_PR_SET_NO_NEW_PRIVS = 38
+_SECCOMP_MODE_FILTER = 2
+_WARM_IDS = np.array([101, 102], np.int32)  # [CLS] [SEP]
+
+
+class _Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def load_filter(bpf: bytes) -> None:
+    """Puts this process (and every thread and process it starts from now on) under a seccomp BPF program."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = _Fprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or \
+            libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:  # fmt: skip
+        raise OSError(ctypes.get_errno(), "the engine's system-call filter did not load")
+
+
+def _close_fds_except(keep: set[int]) -> None:
+    for fd in sorted(int(f) for f in os.listdir("/proc/self/fd")):
+        if fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _die_with_parent(parent: int) -> None:
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def _cache_fd(cache_dir: str) -> int | None:
+    prefix = "/proc/self/fd/"
+    return int(cache_dir[len(prefix) :].split("/")[0]) if cache_dir.startswith(prefix) else None
+
+
+# --- the host ---------------------------------------------------------------------------------------
+
+
+def _load(build: Callable[[], Engine], filters: dict[str, bytes] | None) -> Engine:
+    """The engine, its kernels loaded under the filter and run once, then no new code."""
+    if filters is not None:
+        load_filter(filters["engine"])
+    engine = build()
+    engine.run_batch([_WARM_IDS])  # first calls: lazy symbol binding, packed weights
+    import threadpoolctl  # noqa: F401 - what starting the workers imports, before no new code may load
+
+    if filters is not None:
+        load_filter(filters["no_exec"])
+    return engine
+
+
+def serve(sock: socket.socket, engine: Engine) -> None:
+    """Answers the caller until it says ``Q`` or closes the socket; never returns."""
+    send = threading.Lock()
+
+    def reply(kind: bytes, payload: bytes = b"") -> None:
+        with send, contextlib.suppress(OSError):
+            write_frame(sock, kind, payload)
+
+    def run(forward: Callable[[list[np.ndarray]], np.ndarray], batch_id: int, seqs: list[np.ndarray]) -> None:
+        try:
+            out = forward(seqs)
+        except BaseException:  # noqa: BLE001 - the caller fails the batch's requests with it
+            reply(b"X", batch_id.to_bytes(8, "little") + traceback.format_exc()[-4000:].encode())
+            return
+        reply(b"O", encode_result(batch_id, out))
+
+    pool: ThreadPoolExecutor | None = None
+    forward: Callable[[list[np.ndarray]], np.ndarray] = engine.run_batch
+    while True:
+        try:
+            frame = read_frame(sock)
+        except (OSError, ValueError):
+            frame = None
+        if frame is None or frame[0] == b"Q":
+            os._exit(0)
+        kind, payload = frame
+        if kind == b"B":
+            batch_id, seqs = decode_batch(payload)
+            if pool is None:  # not started: checks, one batch at a time
+                run(forward, batch_id, seqs)
+            else:
+                pool.submit(run, forward, batch_id, seqs)
+        elif kind == b"S" and pool is None:
+            started = engine.start_workers()
+            forward = started  # type: ignore[assignment]
+            workers, blas = engine.threads or (1, 1)
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="evoforge-engine")
+            reply(b"S", json.dumps({"workers": workers, "blas_threads": blas, "kind": engine.worker_kind,
+                                    "pids": engine.worker_pids}).encode())  # fmt: skip
+        elif kind == b"T":
+            if pool is not None:
+                pool.shutdown(wait=True)
+                pool = None
+                engine.stop()
+                forward = engine.run_batch
+            reply(b"T")
+
+
+def _host_main(conn_fd: int, parent: int | None, build: Callable[[], Engine], filters: dict[str, bytes] | None,
+               keep: set[int]) -> None:  # fmt: skip
+    _close_fds_except({0, 1, 2, conn_fd, *keep})
+    if parent is not None:
+        _die_with_parent(parent)
+    sock = socket.socket(fileno=conn_fd)
+    try:
+        engine = _load(build, filters)
+    except BaseException as exc:  # noqa: BLE001 - a kernel that does not load is the candidate's failure
+        from runtime.toolchain.cc import CompileError
+
+        why = exc.stderr if isinstance(exc, CompileError) else traceback.format_exc()[-4000:]
+        with contextlib.suppress(OSError):
+            write_frame(sock, b"E", why.encode())
+        os._exit(0)
+    write_frame(sock, b"R", json.dumps({"dim": engine.dim}).encode())
+    serve(sock, engine)
+
+
+# --- the template a worker forks hosts from ---------------------------------------------------------
+
+
+def template_main(sock: socket.socket, model: Model, parent: int, keep: set[int]) -> None:
+    """The template's loop (in a process just forked from a worker): each request forks a host building
+    one engine of ``model``. A request is JSON (``config``, ``kernels``: slot -> kernel source, ``compiler``,
+    ``cache_dir``, ``cpu_seconds``) with the host's socket attached; the answer is the host's pid. A request
+    ``{"status": pid}`` answers how that host ended (``signal`` name or exit ``code``). Never returns."""
+    from runtime.engine.engine import Engine, EngineConfig
+    from runtime.engine.runs import KernelSource, build_ops
+    from runtime.host import compiled_filters
+    from runtime.settings import CompilerSettings
+    from runtime.toolchain.cc import compiler_version
+
+    _close_fds_except({0, 1, 2, sock.fileno(), *keep})
+    _die_with_parent(parent)
+    filters = compiled_filters()
+    models: dict[str, Model] = {}  # each precision's weights, rounded once here and shared by every host
+    ended: dict[int, int] = {}
+    me = os.getpid()
+    while True:
+        with contextlib.suppress(ChildProcessError):
+            while (found := os.waitpid(-1, os.WNOHANG))[0]:
+                ended[found[0]] = found[1]
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 1)
+        except OSError:
+            os._exit(0)
+        if not msg:
+            os._exit(0)
+        req: dict[str, Any] = json.loads(msg)
+        if "status" in req:
+            sock.send(json.dumps(_ended(int(req["status"]), ended)).encode())
+            continue
+        config = EngineConfig.model_validate(req["config"])
+        kernels = {slot: KernelSource(**ks) for slot, ks in req["kernels"].items()}
+        compiler = CompilerSettings.model_validate(req["compiler"])
+        compiler_version(compiler.cc)  # the cache key needs it; the host may not run the compiler
+        cache_dir = req["cache_dir"]
+        cache_fd = _cache_fd(cache_dir)
+        if config.precision not in models:
+            models[config.precision] = model.with_precision(config.precision)
+        build = functools.partial(Engine, models[config.precision], config=config)
+        ops = functools.partial(build_ops, kernels, compiler=compiler, cache_dir=cache_dir)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                if req.get("cpu_seconds"):
+                    resource.setrlimit(resource.RLIMIT_CPU, (int(req["cpu_seconds"]),) * 2)
+                _host_main(fds[0], me, lambda: build(ops=ops()), filters,  # noqa: B023 - called right here
+                           {cache_fd} if cache_fd is not None else set())
+            except BaseException:  # noqa: BLE001 - into the worker's log
+                traceback.print_exc()
+                sys.stderr.flush()
+            finally:
+                os._exit(1)
+        os.close(fds[0])
+        sock.send(json.dumps({"pid": pid}).encode())
+
+
+def _ended(pid: int, ended: dict[int, int]) -> dict[str, Any]:
+    with contextlib.suppress(ChildProcessError):
+        ended.setdefault(pid, os.waitpid(pid, 0)[1])
+    status = ended.pop(pid, 0)
+    return {"signal": signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status) else None,
+            "code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None}  # fmt: skip
+
+
+# --- a host started on its own (a server's) ---------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    """``python -m runtime.engine.host FD SPEC``: builds the engine SPEC (JSON: ``run_dir`` and ``elite``, or
+    neither for the default engine) and answers on descriptor FD."""
+    from runtime.engine import elite_task
+    from runtime.engine.engine import Engine, EngineConfig
+    from runtime.engine.model import load_model
+    from runtime.engine.ops import numpy_ops
+    from runtime.host import compiled_filters, make_undumpable
+
+    conn_fd, spec = int(argv[0]), json.loads(argv[1])
+    make_undumpable()
+    # Not PDEATHSIG: it fires when the thread that started this process ends (a server builds engines in
+    # short-lived threads). The socket closing when the server dies ends this host just as well.
+    model = load_model(spec.get("model_dir"))
+    build: Callable[[], Engine]
+    if spec.get("elite"):
+        task, config, compiler, cache_dir = elite_task(spec["run_dir"], spec["elite"], model=model,
+                                                       overrides=spec.get("overrides"))  # fmt: skip
+        try:
+            task.compile_kernels(config, compiler=compiler, cache_dir=cache_dir)  # before the filter: no exec after
+        except Exception:  # noqa: BLE001 - reported as the build's failure
+            error = traceback.format_exc()[-4000:]
+            with contextlib.closing(socket.socket(fileno=conn_fd)) as sock:
+                write_frame(sock, b"E", error.encode())
+            return 0
+        build = lambda: task.build(config, compiler=compiler, cache_dir=cache_dir)  # noqa: E731
+    else:
+        build = lambda: Engine(model, numpy_ops(), EngineConfig.model_validate(spec.get("overrides") or {}))  # noqa: E731
+    _host_main(conn_fd, None, build, compiled_filters(), set())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
