@@ -23,7 +23,7 @@ from typing import Any
 from runtime.backends import Backend, backend_for
 from runtime.executor import EvalRequest
 from runtime.result import EvalResult, Status
-from runtime.sandbox import WorkerDied, WorkerProcess, WorkerProfile, WorkerTimeout
+from runtime.sandbox import WorkerDied, WorkerProcess, WorkerProfile, WorkerTimeout, reap_orphans
 from runtime.task import TaskLoadError, load_task_class
 from runtime.toolchain.cc import compiler_version
 
@@ -186,7 +186,9 @@ class LocalPool:
         log_from = proc.log_size()
         t0 = time.perf_counter()
         try:
-            return proc.evaluate(request, timeout=limit)
+            result = proc.evaluate(request, timeout=limit)
+            reap_orphans(proc.pid, spare=proc.pid)  # processes a candidate orphaned, killed by its worker
+            return result
         except WorkerTimeout as exc:
             self._procs[slot] = None
             self._event("worker_timeout", slot=slot, pid=proc.pid, key=request.key)

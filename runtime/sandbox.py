@@ -201,16 +201,21 @@ def kill_group(pgid: int, leader: subprocess.Popen[Any] | None = None, patience:
         if leader is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 leader.wait(timeout=0.01)
-        me = os.getpid()
-        for pid in group_members(pgid):
-            if leader is not None and pid == leader.pid:
-                continue
-            with contextlib.suppress(ChildProcessError, OSError):
-                if _ppid(pid) == me:
-                    os.waitpid(pid, os.WNOHANG)
+        reap_orphans(pgid, spare=leader.pid if leader is not None else None)
         if time.monotonic() > end:
             return False
         time.sleep(0.002)
+
+
+def reap_orphans(pgid: int, spare: int | None = None) -> None:
+    """Reaps the processes of group ``pgid`` that ended after being reparented to this process (the
+    subreaper), except ``spare`` (a worker, whose status its Popen reaps)."""
+    me = os.getpid()
+    for pid in group_members(pgid):
+        if pid != spare:
+            with contextlib.suppress(ChildProcessError, OSError):
+                if _ppid(pid) == me:
+                    os.waitpid(pid, os.WNOHANG)
 
 
 def _ppid(pid: int) -> int:

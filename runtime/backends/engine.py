@@ -289,16 +289,15 @@ class EngineBackend(Backend[EngineTask]):
         self._live.discard(engine)
         engine.close()
         if not self._live and os.getpgrp() == os.getpid():  # a worker leads its group
-            for pid in group_except(t.pid for t in self._templates.values()):
+            for pid in group_except(pids=[t.pid for t in self._templates.values()]):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, 9)
 
     def others(self, engine: HostedEngine) -> list[int]:
         """The processes to stop while ``engine`` is measured: every other engine's, and, in a worker (which
         leads its process group, which no engine may leave), every process an engine orphaned."""
-        keep = [engine.process.pid, *(t.pid for t in self._templates.values())]
         if os.getpgrp() == os.getpid():
-            return group_except(keep)
+            return group_except([engine.process.pid], [t.pid for t in self._templates.values()])
         return [pid for e in self._live if e is not engine for pid in process_tree(e.process.pid)]
 
     # --- the backend -------------------------------------------------------------------------------

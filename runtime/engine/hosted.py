@@ -76,13 +76,13 @@ def process_tree(root: int, table: Mapping[int, tuple[int, int, str]] | None = N
     return found
 
 
-def group_except(keep: Iterable[int]) -> list[int]:
-    """Processes of this process's group other than this one and ``keep``'s trees: another engine's
-    processes, and any an engine orphaned (they cannot leave the group)."""
+def group_except(trees: Iterable[int] = (), pids: Iterable[int] = ()) -> list[int]:
+    """Processes of this process's group other than this one, ``pids`` and the trees of ``trees``: another
+    engine's processes, and any an engine orphaned (they cannot leave the group)."""
     table = _table()
     pgrp, me = os.getpgrp(), os.getpid()
-    spared = {me}
-    for pid in keep:
+    spared = {me, *pids}
+    for pid in trees:
         spared.update(process_tree(pid, table))
     return [pid for pid, (_, g, state) in table.items() if g == pgrp and pid not in spared and state != "Z"]
 

@@ -162,6 +162,43 @@ def test_auth(engine_server: Server, matmul_server: Server) -> None:
     assert matmul_server.call("GET", "/docs")[0] == 200 and matmul_server.call("GET", "/openapi.json")[0] == 200
 
 
+def _engine_hosts(srv: Server) -> list[int]:
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f, open(f"/proc/{entry}/cmdline", "rb") as c:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                    cmd = c.read()
+            except OSError:
+                continue
+            if ppid == srv.proc.pid and b"runtime.engine.host" in cmd:
+                found.append(int(entry))
+    return found
+
+
+def test_the_served_engines_kernels_run_in_a_filtered_process_without_the_key(engine_server: Server) -> None:
+    """The key stays in the HTTP process: the engine's host is a fresh interpreter with none of its memory
+    or environment, under the system-call filter."""
+    from runtime.host import filter_available
+
+    hosts = _engine_hosts(engine_server)
+    assert hosts
+    for host in hosts:
+        with open(f"/proc/{host}/environ", "rb") as f:
+            environ = f.read()
+        with open(f"/proc/{host}/cmdline", "rb") as f:
+            cmdline = f.read()
+        assert KEY.encode() not in environ and KEY.encode() not in cmdline and b"SERVE_KEY" not in environ
+        with open(f"/proc/{host}/status") as f:
+            status = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+        if filter_available():
+            assert status["Seccomp"].strip() == "2" and status["NoNewPrivs"].strip() == "1"
+    assert engine_server.call("POST", "/v1/embeddings", {"input": ["still served"]})[0] == 200
+
+
 def _counter(srv: Server, line_start: str) -> float:
     text = srv.call("GET", "/metrics")[1]
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start))
