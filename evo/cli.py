@@ -36,6 +36,12 @@ def _configure_logging(log_file: Path | None) -> None:
 @click.version_option(package_name="evoforge")
 def cli() -> None:
     """evoforge: evolve faster kernels, keep the elites, query them."""
+    # Candidate processes may run as this user: none may read this process's memory (an API key, a
+    # serve key) through /proc/PID/mem. (PR_SET_DUMPABLE = 4.)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
 
 
 def _with_overrides(config: RunConfig, **kw: Any) -> RunConfig:
