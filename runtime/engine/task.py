@@ -295,7 +295,7 @@ class EngineTask(Task):
         return {
             "p99_ms": Descriptor("p99_ms", "p99 request latency under the load (ms)",
                                  lambda g, m: float(m.get("p99_ms", budget)), 0.0, budget),
-            "memory_mb": Descriptor("memory_mb", "memory (PSS) of the engine's processes at the end of the load (MB)",
+            "memory_mb": Descriptor("memory_mb", "resident memory of the engine's processes after the load (MB)",
                                     lambda g, m: float(m.get("memory_mb", 0.0)), 0.0, 2048.0),
             "max_batch": Descriptor("max_batch", "the genome's max batch size",
                                     lambda g, m: float(g.params.get("max_batch", 1)), 0.0, 64.0),

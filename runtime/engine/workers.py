@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-__all__ = ["ProcessWorkers", "WorkerDied", "proportional_mb"]
+__all__ = ["ProcessWorkers", "WorkerDied"]
 
 Forward = Callable[[Sequence[np.ndarray]], np.ndarray]
 
@@ -122,20 +122,3 @@ class ProcessWorkers:
             conn.close()
         self._procs.clear()
         self._conns.clear()
-
-
-def proportional_mb(pids: Sequence[int] = ()) -> float:
-    """Proportional set size (PSS, MB) of this process plus ``pids``: shared pages are split between the
-    processes sharing them, so forked workers are not counted once per copy of the weights."""
-    total = 0.0
-    for pid in ("self", *map(str, pids)):
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1]) / 1024.0
-                        break
-        except OSError:  # a worker that already exited
-            continue
-    return total
-

@@ -13,8 +13,9 @@ import pytest
 
 from runtime.engine import Engine, EngineConfig
 from runtime.engine.engine import fit_threads
+from runtime.engine.hosted import statm_mb
 from runtime.engine.ops import numpy_ops
-from runtime.engine.workers import ProcessWorkers, WorkerDied, proportional_mb
+from runtime.engine.workers import ProcessWorkers, WorkerDied
 
 
 def _alive(pid: int) -> bool:
@@ -40,7 +41,9 @@ def test_process_workers_embed_like_the_in_process_engine(model, sentences):
     with engine:
         pids = engine.worker_pids
         assert len(pids) == 2 and os.getpid() not in pids and all(_alive(p) for p in pids)
-        assert proportional_mb(pids) > proportional_mb()  # the children's share is counted
+        # memory as the engine backend counts it: the first process whole, the others less the shared weights
+        whole = statm_mb([os.getpid()], 0)
+        assert statm_mb([os.getpid(), *pids], 0) > statm_mb([os.getpid(), *pids], model.nbytes()) >= whole
         clients = [threading.Thread(target=client, args=(k,)) for k in range(4)]
         for c in clients:
             c.start()
