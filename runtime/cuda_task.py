@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any, ClassVar
 
+import numpy as np
+
 from runtime.task import Case, Descriptor, KernelTask
 from runtime.toolchain.cuda_launch import Launch, LaunchError
 
@@ -49,6 +51,22 @@ class CudaTask(KernelTask):
     @abc.abstractmethod
     def launch(self, params: Mapping[str, Any], case: Case) -> Launch:
         """Grid, block and dynamic shared memory for ``case``; raises :class:`LaunchError` on bad params."""
+
+    def device_fill(self, case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, tuple[int, float, float]] | None:
+        """How timed rounds draw fresh inputs on the GPU: input -> (fill kind, mean, std), here the mean and
+        spread of ``inputs`` (the typical ones) for fp32 and fp16 inputs (kinds in
+        :data:`runtime.cuda_host.FILL_KINDS`). ``None`` (any other dtype): :meth:`inputs` draws them on the
+        host each round instead, slower. Override for inputs held in another dtype (bf16 as uint16)."""
+        from runtime.cuda_host import FILL_KINDS
+
+        out = {}
+        for name, arr in inputs.items():
+            kind = FILL_KINDS.get(arr.dtype.name)
+            if kind is None:
+                return None
+            x = arr.astype(np.float64)
+            out[name] = (kind, float(x.mean()), float(x.std()))
+        return out
 
     def descriptors(self) -> dict[str, Descriptor]:
         """ptxas' and the occupancy estimate's figures (in every ok result's metrics) as descriptors."""

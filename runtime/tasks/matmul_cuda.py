@@ -144,6 +144,11 @@ class MatmulCuda(CudaTask):
     def outputs(self, case: Case) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         return {"C": ((case["m"], case["n"]), np.dtype(np.float32))}
 
+    def device_fill(self, case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, tuple[int, float, float]] | None:
+        """Normal values like :meth:`inputs`'s, in the input dtype (bf16 held as uint16)."""
+        kind = {"fp32": 0, "fp16": 1, "bf16": 2}[self.args.dtype]
+        return {name: (kind, 0.0, 1.0) for name in inputs}
+
     def _f32(self, x: np.ndarray) -> np.ndarray:
         return bf16_to_f32(x) if self.args.dtype == "bf16" else x.astype(np.float32, copy=False)
 

@@ -33,14 +33,6 @@ __all__ = [
     "visible_gpus",
 ]
 
-_STICKY = re.compile(
-    r"illegal|misaligned|unspecified launch failure|hardware stack|invalid program counter|"
-    r"device-side assert|launch timed out|exception|ECC",
-    re.IGNORECASE,
-)
-"""Driver errors after which the context is unusable: the worker must exit (the pool starts a fresh one)."""
-
-
 class CudaUnavailable(RuntimeError):
     """No usable GPU here: no driver, no device, or no pycuda. The message says which, and the fix."""
 
@@ -251,11 +243,6 @@ def host_time(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter_ns()
     fn()
     return (time.perf_counter_ns() - t0) * 1e-9
-
-
-def is_sticky(exc: BaseException) -> bool:
-    """True when a driver error leaves the context unusable (a kernel faulted)."""
-    return bool(_STICKY.search(str(exc)))
 
 
 _DEVICE: Device | None = None

@@ -67,3 +67,31 @@ def test_a_mangled_kernel_name_is_a_compile_error(tmp_path):
     with pytest.raises(CompileError, match="extern"):
         compile_cuda("__global__ void kernel(float *y) { y[0] = 1.0f; }", settings=CudaSettings(), arch="sm_80",
                      kernel="kernel", cache_dir=str(tmp_path))  # fmt: skip
+
+
+def test_the_candidate_host_builds_here_and_says_why_it_cannot_run_without_a_driver(tmp_path):
+    """The CUDA host (its own process and context per candidate) builds with the C compiler and the toolkit's
+    headers only, and its fill kernel to PTX. Started here, it gets as far as opening the driver."""
+    import os
+    import subprocess
+
+    from runtime.cuda_host import CudaHostLauncher, build_cuda_host
+    from runtime.toolchain.cuda_device import CudaUnavailable, probe
+
+    exe, ptx = build_cuda_host("cc", "nvcc", str(tmp_path))
+    assert os.access(exe, os.X_OK) and ".entry evoforge_fill" in open(ptx).read()
+    assert build_cuda_host("cc", "nvcc", str(tmp_path)) == (exe, ptx)  # cached
+    assert subprocess.run([exe], capture_output=True, timeout=30).returncode == 64  # wrong arguments
+    try:
+        probe()
+        has_driver = True
+    except CudaUnavailable:
+        has_driver = False
+    if has_driver:
+        pytest.skip("a driver is present: tests/runtime/cuda/test_cuda_gpu.py runs the host for real")
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(b"\0" * 64)
+    launcher = CudaHostLauncher("cc", "nvcc", str(tmp_path))
+    with pytest.raises(CompileError, match="no NVIDIA driver"):
+        launcher.host(str(cubin), "kernel")
+    launcher.close()
