@@ -5,9 +5,12 @@ them for as long as it lives, so a challenger may have been timed in a quiet mom
 the bigger its claim, the more it needs checking. Every result that would be the new best, whatever its
 margin, is held back (when the task's backend offers duels) while a worker times it and the best
 interleaved, on the same inputs, under the timing lock. The duel's ratio
-decides: a challenger faster side by side keeps its fitness and is crowned; one that is not gets the
-best's fitness times the ratio (below the best, where the side-by-side timing puts it); one that fails
-its re-check, or gets no verdict, is not crowned either (:func:`settle`). The candidate's result is
+decides: a challenger faster side by side is crowned, its figure cut to where the ratio puts it when
+its claim says more (the claim was picked for being high; the ratio is a second measurement, side by
+side). That cut compares ``vs_reference``, not raw fitness: the machine's speed drifts between the two
+evaluations, and ``vs_reference`` was measured beside the reference each time. One that is not faster
+gets the best's fitness times the ratio (below the best, where the side-by-side timing puts it); one
+that fails its re-check, or gets no verdict, is not crowned either (:func:`settle`). The candidate's result is
 recorded once, after the duel: a run killed mid-duel re-evaluates it on resume; one stopped by its
 budget records it capped at the best.
 """
@@ -30,11 +33,15 @@ def wants_duel(result: EvalResult, best_fitness: float | None) -> bool:
     return result.fitness > best_fitness
 
 
-def settle(result: EvalResult, duel: EvalResult | None, rival_id: str, rival_fitness: float) -> EvalResult:
+def settle(result: EvalResult, duel: EvalResult | None, rival_id: str, rival_fitness: float,
+           rival_vs_reference: float | None = None) -> EvalResult:  # fmt: skip
     """The challenger's result once its duel is over (``duel``: the duel evaluation's result, ``None`` when
     the run stopped before it came back). Only a challenger faster side by side is crowned:
 
-    - won (ratio > 1, fitness within any budget): the result as measured;
+    - won (ratio > 1, fitness within any budget): its fitness times ``min(1, rival_vs_reference * ratio /
+      its vs_reference)`` (raw fitness in place of ``vs_reference`` where either is missing), and never
+      below ``rival_fitness * ratio``; ``vs_reference`` scaled with it. A figure measured in a lucky
+      moment is not what the run crowns;
     - lost (ratio <= 1, or over the engine's p99 budget in the duel): fitness ``rival_fitness * ratio``;
     - the challenger broke a rule when checked again (``wrong``, ``invalid``): the duel's failure is its result;
     - no verdict (the duel crashed, timed out, or never ran): capped at ``rival_fitness``, not crowned.
@@ -51,11 +58,23 @@ def settle(result: EvalResult, duel: EvalResult | None, rival_id: str, rival_fit
         note["error"] = "the run stopped first" if duel is None else (duel.error or f"duel ended {duel.status}")
         return _capped(result, min(result.fitness, rival_fitness), note)
     note["won"] = won = ratio > 1.0 and duel is not None and duel.fitness is not None
-    if won:
+    if not won:
+        return _capped(result, rival_fitness * min(ratio, 1.0), note)
+    claim = result.metrics.get("vs_reference")
+    if isinstance(claim, (int, float)) and claim > 0 and rival_vs_reference:
+        factor = min(1.0, rival_vs_reference * ratio / claim)
+    else:
+        factor = min(1.0, rival_fitness * ratio / result.fitness)
+    fitness = min(result.fitness, max(result.fitness * factor, rival_fitness * ratio))
+    if fitness >= result.fitness:
         return replace(result, metrics={**result.metrics, "duel": note})
-    return _capped(result, rival_fitness * min(ratio, 1.0), note)
+    return _capped(result, fitness, note)
 
 
 def _capped(result: EvalResult, fitness: float, note: dict[str, object]) -> EvalResult:
-    return replace(result, fitness=fitness,
-                   metrics={**result.metrics, "duel": note, "fitness_before_duel": result.fitness})
+    """``result`` with ``fitness``, and ``vs_reference`` scaled by as much."""
+    metrics = {**result.metrics, "duel": note, "fitness_before_duel": result.fitness}
+    vs = metrics.get("vs_reference")
+    if isinstance(vs, (int, float)) and result.fitness:
+        metrics["vs_reference"] = vs * fitness / result.fitness
+    return replace(result, fitness=fitness, metrics=metrics)

@@ -227,7 +227,7 @@ class Search:
         """A finished evaluation: a would-be new best is held back for a duel against the best first."""
         if request.stages == "duel":
             held, best = self._duels.pop(request.key)
-            settled = settle(held[1], result, best.id, best.fitness or 0.0)
+            settled = settle(held[1], result, best.id, best.fitness or 0.0, best.metrics.get("vs_reference"))
             log.info("duel of %s against the best %s: %s", request.key[:12], best.id[:12], settled.metrics["duel"])
             self._finish(held[0], settled)
             return

@@ -45,6 +45,10 @@ class TimingSettings(_Model):
         0.02, gt=0, description="stop once the median's relative uncertainty is below this"
     )
     max_seconds: float = Field(2.0, gt=0, description="time cap of the timing stage (both functions)")
+    min_seconds: float = Field(
+        0.3, ge=0, description="the spread may stop timing only after this long (both functions): a shared "
+        "machine's state changes within a second, and a ratio from one quiet 50 ms is luck"
+    )  # fmt: skip
     overhead_budget_s: float = Field(
         0.005, gt=0, description="after min_repeats, stop once the time outside the timed calls (fresh inputs, "
         "checks) exceeds this plus twice the time inside them: microsecond kernels are not worth more"

@@ -168,6 +168,7 @@ def time_interleaved(
             break
         if (
             i + 1 >= settings.min_repeats
+            and now - start >= settings.min_seconds * 1e9
             and (i + 1 - settings.min_repeats) % 4 == 0  # the check sorts: not every round
             and relative_uncertainty(cand) < settings.target_rel_spread
             and relative_uncertainty(ref) < settings.target_rel_spread

@@ -9,7 +9,7 @@ import numpy as np
 from pydantic import Field
 
 from genome import ChoiceParam, Genome, ParamSpace, Pow2Param
-from runtime.task import Case, Descriptor, KernelTask, TaskArgs
+from runtime.task import VALUE_KINDS, Case, Descriptor, KernelTask, TaskArgs
 from runtime.tasks._common import load_c_source
 
 __all__ = ["Gelu"]
@@ -73,6 +73,11 @@ class Gelu(KernelTask):
         from runtime.engine.ops import np_bias_gelu
 
         outputs["y"][...] = np_bias_gelu(inputs["x"], inputs["bias"])
+
+    def value_kinds(self) -> tuple[str, ...]:
+        """Typical values, huge values (an exp-based tanh that overflows), tiny,
+        zero, signed-zero and subnormal ones (see runtime.task.VALUE_KINDS)."""
+        return VALUE_KINDS
 
     def kernel_args(self, case: Case, arrays: Mapping[str, np.ndarray]) -> list[Any]:
         return [case["rows"], case["cols"], arrays["x"], arrays["bias"], arrays["y"]]

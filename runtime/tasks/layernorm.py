@@ -9,7 +9,7 @@ import numpy as np
 from pydantic import Field
 
 from genome import ChoiceParam, Genome, ParamSpace, Pow2Param
-from runtime.task import Case, Descriptor, KernelTask, TaskArgs
+from runtime.task import VALUE_KINDS, Case, Descriptor, KernelTask, TaskArgs
 from runtime.tasks._common import load_c_source
 
 __all__ = ["LayerNorm"]
@@ -82,6 +82,11 @@ class LayerNorm(KernelTask):
         from runtime.engine.ops import np_layernorm
 
         outputs["y"][...] = np_layernorm(inputs["x"], inputs["gamma"], inputs["beta"], self.args.eps)
+
+    def value_kinds(self) -> tuple[str, ...]:
+        """Typical values, huge values (a variance that overflows), tiny ones (one that underflows),
+        zero, signed-zero and subnormal ones (see runtime.task.VALUE_KINDS)."""
+        return VALUE_KINDS
 
     def kernel_args(self, case: Case, arrays: Mapping[str, np.ndarray]) -> list[Any]:
         return [case["rows"], case["cols"], float(self.args.eps), arrays["x"], arrays["gamma"], arrays["beta"],

@@ -9,7 +9,7 @@ import numpy as np
 from pydantic import Field
 
 from genome import ChoiceParam, Genome, ParamSpace, Pow2Param
-from runtime.task import Case, Descriptor, KernelTask, TaskArgs
+from runtime.task import VALUE_KINDS, Case, Descriptor, KernelTask, TaskArgs
 from runtime.tasks._common import load_c_source
 
 __all__ = ["Softmax"]
@@ -78,6 +78,11 @@ class Softmax(KernelTask):
         x = inputs["x"]
         e = np.exp(x - x.max(axis=1, keepdims=True))
         np.divide(e, e.sum(axis=1, keepdims=True), out=outputs["y"])
+
+    def value_kinds(self) -> tuple[str, ...]:
+        """Typical values, huge values (a kernel that does not subtract the row's max overflows), tiny,
+        zero, signed-zero and subnormal ones (see runtime.task.VALUE_KINDS)."""
+        return VALUE_KINDS
 
     def kernel_args(self, case: Case, arrays: Mapping[str, np.ndarray]) -> list[Any]:
         return [case["rows"], case["cols"], arrays["x"], arrays["y"]]

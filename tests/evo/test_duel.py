@@ -34,8 +34,17 @@ def test_a_lost_duel_caps_the_fitness_where_the_side_by_side_timing_puts_it():
     lost = settle(challenger, _ok(90.0, duel_ratio=0.9), "best", 100.0)
     assert lost.fitness == pytest.approx(90.0) and lost.metrics["fitness_before_duel"] == 105.0
     assert lost.metrics["duel"] == {"rival": "best", "rival_fitness": 100.0, "ratio": 0.9, "won": False}
-    won = settle(challenger, _ok(120.0, duel_ratio=1.02), "best", 100.0)
-    assert won.fitness == 105.0 and won.metrics["duel"]["won"] is True
+    won = settle(challenger, _ok(120.0, duel_ratio=1.02), "best", 100.0)  # its claim was luckier than the duel
+    assert won.fitness == pytest.approx(102.0) and won.metrics["duel"]["won"] is True
+    assert won.metrics["fitness_before_duel"] == 105.0 and won.metrics["vs_reference"] == pytest.approx(1.02)
+    clear = settle(challenger, _ok(120.0, duel_ratio=1.3), "best", 100.0)  # the duel says more than it claimed
+    assert clear.fitness == 105.0 and "fitness_before_duel" not in clear.metrics
+    # With both vs_reference known, the cut compares those: the machine ran 30% slower when the best was timed.
+    drifted = settle(_ok(140.0, vs_reference=1.12), _ok(1.0, duel_ratio=1.05), "best", 100.0, 1.0)
+    assert drifted.fitness == pytest.approx(140.0 * 1.05 / 1.12)
+    assert drifted.metrics["vs_reference"] == pytest.approx(1.05)
+    honest = settle(_ok(140.0, vs_reference=1.04), _ok(1.0, duel_ratio=1.05), "best", 100.0, 1.0)
+    assert honest.fitness == 140.0  # not cut to 105 by the best's raw figure from a slower moment
     crashed = settle(challenger, EvalResult(status=Status.CRASH, error="SIGSEGV"), "best", 100.0)
     assert crashed.fitness == 100.0 and crashed.metrics["duel"]["error"] == "SIGSEGV"  # no verdict: not crowned
     stopped = settle(challenger, None, "best", 100.0)
@@ -71,8 +80,10 @@ def test_a_search_duels_its_would_be_bests(tmp_path):
     ids = {cid for cid, _, _ in rows}
     for cid, fitness, duel, m in duels:
         assert duel["rival"] in ids and duel["rival"] != cid and duel["ratio"] > 0
-        if duel["won"]:
-            assert fitness == m.get("fitness_before_duel", fitness)
+        if duel["won"]:  # crowned at its claim, or cut to where the ratio puts it; always above the best
+            claimed = m.get("fitness_before_duel", fitness)
+            assert min(claimed, duel["rival_fitness"] * duel["ratio"]) <= fitness * (1 + 1e-9) and fitness <= claimed
+            assert fitness > duel["rival_fitness"]
         else:
             assert fitness == pytest.approx(duel["rival_fitness"] * duel["ratio"]) and fitness <= duel["rival_fitness"]
     best = None
