@@ -144,3 +144,32 @@ def test_a_kernel_wrong_only_on_tiny_values_is_wrong_and_says_which(workdir, ctx
     assert r.status is Status.WRONG and "with small values" in r.error, r
     honest = evaluate(dataclasses.replace(req, genome=Genome(source=HONEST), key="honest"), task, ctx)
     assert honest.status is Status.OK, honest.error
+
+
+# Softmax as a textbook writes it, without subtracting the row's max: right on typical inputs, inf / inf
+# once a row holds large values.
+NAIVE_SOFTMAX = r"""
+#include <math.h>
+void kernel(int rows, int cols, const float *x, float *y) {
+    for (int r = 0; r < rows; r++) {
+        float s = 0.0f;
+        const float *xr = x + (long)r * cols;
+        float *yr = y + (long)r * cols;
+        for (int c = 0; c < cols; c++) { yr[c] = expf(xr[c]); s += yr[c]; }
+        for (int c = 0; c < cols; c++) yr[c] /= s;
+    }
+}
+"""
+
+
+def test_a_softmax_that_overflows_on_large_values_is_wrong_and_says_which(workdir, ctx):
+    spec = TaskSpec(name="softmax", args={"rows": 32, "cols": 256})
+    task = load_task_class(spec.name)(spec.args)
+    g = Genome(source=NAIVE_SOFTMAX)
+    req = EvalRequest(key=g.id, genome=g, task=spec, settings=make_settings(workdir),
+                      cache_dir=os.path.join(workdir, "cache"), stages="check")  # fmt: skip
+    r = evaluate(req, task, ctx)
+    assert r.status is Status.WRONG and "with large values" in r.error, r
+    seed = task.seeds()[0]
+    honest = evaluate(dataclasses.replace(req, genome=seed, key=seed.id), task, ctx)
+    assert honest.status is Status.OK, honest.error
