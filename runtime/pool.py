@@ -187,7 +187,7 @@ class LocalPool:
         t0 = time.perf_counter()
         try:
             result = proc.evaluate(request, timeout=limit)
-            reap_orphans(proc.pid, spare=proc.pid)  # processes a candidate orphaned, killed by its worker
+            reap_orphans(p.pid for p in self._procs if p is not None)  # what candidates orphaned, killed since
             return result
         except WorkerTimeout as exc:
             self._procs[slot] = None

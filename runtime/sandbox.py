@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -201,21 +202,38 @@ def kill_group(pgid: int, leader: subprocess.Popen[Any] | None = None, patience:
         if leader is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 leader.wait(timeout=0.01)
-        reap_orphans(pgid, spare=leader.pid if leader is not None else None)
+        me = os.getpid()
+        for pid in group_members(pgid):
+            if leader is not None and pid == leader.pid:
+                continue
+            with contextlib.suppress(ChildProcessError, OSError):
+                if _ppid(pid) == me:
+                    os.waitpid(pid, os.WNOHANG)
         if time.monotonic() > end:
             return False
         time.sleep(0.002)
 
 
-def reap_orphans(pgid: int, spare: int | None = None) -> None:
-    """Reaps the processes of group ``pgid`` that ended after being reparented to this process (the
-    subreaper), except ``spare`` (a worker, whose status its Popen reaps)."""
-    me = os.getpid()
-    for pid in group_members(pgid):
-        if pid != spare:
+def reap_orphans(workers: Iterable[int]) -> None:
+    """Reaps this process's children that ended in the process group of one of ``workers`` (a worker leads
+    its group), the worker itself excepted: the processes a candidate orphaned, reparented to this process
+    (the subreaper) and killed by their worker. No other child is touched (its Popen reaps it). Reads only
+    this process's own child lists: cheap enough after every evaluation."""
+    groups = set(workers)
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as f:
+                found.update(int(p) for p in f.read().split())
+    for pid in found - groups:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pgrp = int(f.read().rsplit(")", 1)[1].split()[2])
+        except (OSError, ValueError, IndexError):
+            continue
+        if pgrp in groups:
             with contextlib.suppress(ChildProcessError, OSError):
-                if _ppid(pid) == me:
-                    os.waitpid(pid, os.WNOHANG)
+                os.waitpid(pid, os.WNOHANG)
 
 
 def _ppid(pid: int) -> int:
