@@ -31,10 +31,18 @@ def test_relative_uncertainty():
 
 
 def test_steady_functions_stop_at_min_repeats():
-    settings = TimingSettings(warmup=1, min_repeats=5, max_repeats=1000, target_rel_spread=10.0)
+    settings = TimingSettings(warmup=1, min_repeats=5, max_repeats=1000, target_rel_spread=10.0, min_seconds=0)
     run = time_interleaved(lambda: None, lambda: None, settings)
     assert run.candidate.n == run.reference.n == 5
     assert run.call_seconds <= run.seconds
+
+
+def test_the_spread_stops_timing_only_after_min_seconds():
+    """A ratio from one quiet moment is luck: a steady pair is still timed for ``min_seconds``."""
+    settings = TimingSettings(warmup=0, min_repeats=5, max_repeats=10_000, target_rel_spread=10.0, min_seconds=0.1)
+    t0 = time.perf_counter()
+    run = time_interleaved(lambda: time.sleep(0.002), lambda: time.sleep(0.002), settings)
+    assert time.perf_counter() - t0 >= 0.1 and run.candidate.n > 5
 
 
 def test_max_repeats_and_max_seconds_cap_the_run():
