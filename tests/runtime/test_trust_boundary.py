@@ -214,4 +214,6 @@ def test_an_honest_kernel_measures_the_same_after_the_cheats(workdir, pool):
         run(pool, _matmul(workdir, cheat + "/* again */"), timeout=120)
     after = run(pool, _matmul(workdir, HONEST + "/* after */"), timeout=120)
     assert before.status is Status.OK and after.status is Status.OK, (before.error, after.error)
-    assert 0.6 < after.fitness / before.fitness < 1.6, (before.fitness, after.fitness)
+    # the ratio to the reference timed beside it: the machine's own speed drifts twofold within seconds here
+    vs_before, vs_after = before.metrics["vs_reference"], after.metrics["vs_reference"]
+    assert 0.6 < vs_after / vs_before < 1.6, (before.fitness, after.fitness, vs_before, vs_after)
