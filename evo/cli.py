@@ -47,9 +47,11 @@ def cli() -> None:
 def _with_overrides(config: RunConfig, **kw: Any) -> RunConfig:
     budget = {k: v for k, v in (("max_evals", kw["max_evals"]), ("max_time", kw["max_time"])) if v is not None}
     search = {k: v for k, v in (("workers", kw["workers"]), ("seed", kw["seed"])) if v is not None}
+    execution = {"kind": "ray", "address": kw["ray"]} if kw.get("ray") else {}
     return config.model_copy(update={
         "budget": config.budget.model_copy(update=budget),
         "search": config.search.model_copy(update=search),
+        "execution": config.execution.model_copy(update=execution),
     })
 
 
@@ -61,6 +63,8 @@ def _with_overrides(config: RunConfig, **kw: Any) -> RunConfig:
 @click.option("--workers", type=click.IntRange(min=1), help="evaluation workers [default: cores]")
 @click.option("--seed", type=int, help="run seed (not with --resume)")
 @click.option("--resume", is_flag=True, help="continue the run in the run dir from where it stopped")
+@click.option("--ray", metavar="[ADDRESS]", is_flag=False, flag_value="auto", default=None,
+              help="evaluate on a Ray cluster (default address: auto, the one `ray start` made here)")
 def run(config_path: Path, run_dir: Path | None, resume: bool, **overrides: Any) -> None:
     """Run the search described by CONFIG (a YAML file)."""
     from evo.reporting import RichReporter
@@ -75,16 +79,18 @@ def run(config_path: Path, run_dir: Path | None, resume: bool, **overrides: Any)
     require_backend(config, config_path)  # e.g. a CUDA task without a GPU: one line, and the fix
     path = run_dir or Path("runs") / (config.name or config_path.stem)
     if resume:
-        if overrides["seed"] is not None:
-            raise UserError("--seed cannot change on --resume: a run keeps its seed (drop --seed)")
         rd = RunDir.open(path)
         frozen = rd.frozen_config()
-        if frozen.model_dump(exclude={"budget", "search"}) != config.model_dump(exclude={"budget", "search"}):
+        if overrides["seed"] is not None and overrides["seed"] != frozen.search.seed:
+            raise UserError(f"--seed cannot change on --resume: this run's seed is {frozen.search.seed} "
+                            "(drop --seed)")  # fmt: skip
+        kept = {"budget", "search", "execution"}
+        if frozen.model_dump(exclude=kept) != config.model_dump(exclude=kept):
             click.echo(f"note: {config_path} differs from the config stored in {path}; the stored one is used "
-                       "(only the budget and workers may change on --resume)", err=True)
-        # a resumed run keeps its frozen config; budget and workers may be extended
+                       "(only the budget, workers and execution may change on --resume)", err=True)
+        # a resumed run keeps its frozen config; budget, workers and where it runs may change
         search = frozen.search.model_copy(update={"workers": config.search.workers})
-        frozen = frozen.model_copy(update={"budget": config.budget, "search": search})
+        frozen = frozen.model_copy(update={"budget": config.budget, "search": search, "execution": config.execution})
         config = _with_overrides(frozen, **overrides)
     else:
         config = _with_overrides(config, **overrides)

@@ -126,6 +126,19 @@ class ArchiveConfig(_Model):
         return self.bins if isinstance(self.bins, list) else [self.bins] * len(self.descriptors)
 
 
+class ExecutionConfig(_Model):
+    """Where candidates are evaluated: sandboxed workers on this machine, or on every node of a Ray cluster."""
+
+    kind: Literal["local", "ray"] = Field("local", description="local: workers on this machine; ray: on a Ray cluster")
+    address: str = Field("auto", description="the Ray cluster (auto: the one `ray start` made here; or host:port, "
+                         "ray://host:port)")
+    workers_per_node: int | None = Field(None, ge=1, description="evaluation slots per Ray node (default: its CPUs)")
+    use_head: bool = Field(True, description="evaluate on the Ray head node too (false: keep it for the driver)")
+    fingerprints: Literal["same", "ratio"] = Field(
+        "same", description="same: refuse nodes that differ in CPU, compiler or BLAS; ratio: rank by vs_reference "
+        "measured on each node")
+
+
 class RunConfig(_Model):
     """A whole job: the task, how candidates are evaluated, how the search moves, when it stops."""
 
@@ -142,6 +155,7 @@ class RunConfig(_Model):
     memory: MemorySettings = Field(
         default_factory=MemorySettings, description="the memory of discoveries shared by runs (seeds, hints, novelty)"
     )
+    execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
 
     def make_space(self, task: Task) -> ParamSpace:
         """The space the search explores: the config's override (completed by the task), else the task's own."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from archive import LAYOUT_KEY, Archive, CVTArchive, GridArchive, Store, StoreError, load_archive, save_layout
-from evo.config import RunConfig, dump_config, parse_config
+from evo.config import ExecutionConfig, RunConfig, dump_config, parse_config
 from evo.errors import UserError
 from runtime import Task
 
@@ -62,7 +62,18 @@ class RunDir:
             raise UserError(f"{self.path / DB_NAME} has no stored config: it was not written by evo run")
         return parse_config(yaml.safe_load(text), source=f"{self.path / DB_NAME} (stored config)")
 
-    def make_pool(self, workers: int):  # noqa: ANN201 - runtime.pool.LocalPool
+    def make_pool(self, workers: int, execution: ExecutionConfig | None = None, cc: str = "cc"):  # noqa: ANN201
+        """The executor: a :class:`runtime.pool.LocalPool` of ``workers``, or a :class:`runtime.raypool.RayPool`
+        over a Ray cluster (``execution.kind: ray``), whose slots are its nodes'."""
+        if execution is not None and execution.kind == "ray":
+            from runtime.raypool import ClusterUnavailable, MixedHardware, RayPool
+
+            try:
+                return RayPool(execution.address, workers_per_node=execution.workers_per_node,
+                               fingerprints=execution.fingerprints, use_head=execution.use_head,
+                               cc=cc)  # fmt: skip
+            except (ClusterUnavailable, MixedHardware) as exc:
+                raise UserError(str(exc)) from None
         from runtime.pool import LocalPool
 
         return LocalPool(workers=workers, log_dir=self.log_dir)

@@ -114,7 +114,9 @@ class Search:
         queue = self._requeue_pending()
         resumed = len(queue)
         queue += self._initial_population()
-        executor = self._pool = self._executor or self.run_dir.make_pool(self.workers)
+        executor = self._pool = self._executor or self.run_dir.make_pool(
+            self.workers, self.config.execution, self.config.evaluation.compiler.cc)
+        self.workers = getattr(executor, "slots", self.workers)  # a cluster's slots are its nodes'
         self.reporter.start(total=self.config.budget.max_evals, done=self._evaluated, workers=self.workers)
         self.reporter.note(
             f"run dir {self.run_dir.path}: task {self.task.name} {dict(self.config.task.args)}, "

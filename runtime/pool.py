@@ -33,7 +33,7 @@ PoolEvent = Callable[[str, dict[str, Any]], None]
 """``on_event(kind, info)``: ``worker_started``, ``worker_timeout``, ``worker_died`` (called from pool threads)."""
 
 
-def _backend(request: EvalRequest) -> Backend | None:
+def request_backend(request: EvalRequest) -> Backend | None:
     """The backend of the request's task; ``None`` when the task cannot be loaded here (the worker reports it,
     with the request)."""
     try:
@@ -44,7 +44,7 @@ def _backend(request: EvalRequest) -> Backend | None:
 
 def _gpu(request: EvalRequest, slot: int) -> str | None:
     """The GPU the worker in ``slot`` sees (the backend decides; ``None`` for CPU backends)."""
-    backend = _backend(request)
+    backend = request_backend(request)
     return backend.worker_gpu(slot) if backend is not None else None
 
 
@@ -94,7 +94,7 @@ class LocalPool:
         if self._closed:
             raise RuntimeError("the pool is closed")
         compiler_version(request.settings.compiler.cc)
-        backend = _backend(request)
+        backend = request_backend(request)
         if backend is not None:
             backend.require(request.stages)
         with self._lock:
