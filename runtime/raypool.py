@@ -227,7 +227,11 @@ class RayPool:
         self._modules: dict[str, dict[str, str]] = {}
         self._last_discovery = 0.0
         self._closed = False
-        self._discover()
+        try:
+            self._discover()
+        except BaseException:
+            self.close()
+            raise
         if not self._nodes:
             self.close()
             raise ClusterUnavailable(f"the Ray cluster at {address!r} has no node evoforge can use")

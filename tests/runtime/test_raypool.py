@@ -158,6 +158,12 @@ def test_a_cluster_that_cannot_be_reached_is_one_clear_error_not_a_hang():
     assert issubclass(MixedHardware, RuntimeError)
 
 
+def test_a_node_without_the_compiler_is_one_clear_error(cluster):
+    cluster.wait_for_nodes()
+    with pytest.raises(ClusterUnavailable, match="no-such-cc"):
+        RayPool(cluster.address, cc="no-such-cc")
+
+
 def test_candidate_code_cannot_reach_rays_control_plane(pool, cluster, tmp_path):
     from runtime.host import filter_available
 
