@@ -23,7 +23,6 @@ figure stays in ``metrics.fitness_measured``).
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import contextlib
@@ -113,6 +112,9 @@ class NodeEvaluator:
         self._waiting: dict[str, concurrent.futures.Future[EvalResult]] = {}
         self._seq = itertools.count()
         self._closed = False
+        import ray
+
+        self._node = ray.get_runtime_context().get_node_id()
         threading.Thread(target=self._collect, name="evoforge-node-results", daemon=True).start()
 
     def describe(self) -> dict[str, Any]:
@@ -156,18 +158,16 @@ class NodeEvaluator:
             sys_path = (root,)
         return dataclasses.replace(request, cache_dir=cache, sys_path=sys_path)
 
-    async def evaluate(self, request: EvalRequest, modules: dict[str, str]) -> EvalResult:
-        """Evaluates ``request`` in this node's pool; the result says which node measured it."""
+    def evaluate(self, request: EvalRequest, modules: dict[str, str]) -> EvalResult:
+        """Evaluates ``request`` in this node's pool (one of the actor's threads waits on it); the result says
+        which node measured it."""
         local = self._localize(request, modules)
         key = f"{request.key}@{next(self._seq)}"
         fut: concurrent.futures.Future[EvalResult] = concurrent.futures.Future()
         self._waiting[key] = fut
         self.pool.submit(dataclasses.replace(local, key=key))
-        result = await asyncio.wrap_future(fut)
-        import ray
-
-        node = ray.get_runtime_context().get_node_id()
-        return dataclasses.replace(result, metrics={**result.metrics, "node": node})
+        result = fut.result()
+        return dataclasses.replace(result, metrics={**result.metrics, "node": self._node})
 
     def close(self) -> None:
         self._closed = True
@@ -196,19 +196,21 @@ class RayPool:
     """Evaluates requests on every node of the Ray cluster at ``address`` (see the module docstring).
 
     ``workers_per_node``: slots per node (default: the CPUs Ray gives the node); ``use_head``: evaluate on the
-    head node too (where the driver usually runs). Raises
+    head node too (where the driver usually runs); ``evaluator``: the actor class (its ``describe``,
+    ``evaluate`` and ``close``; a benchmark's simulated evaluations). Raises
     :class:`ClusterUnavailable` when the cluster cannot be reached or a node cannot compile, and
     :class:`MixedHardware` for nodes of different speed fingerprints under ``fingerprints="same"``."""
 
     def __init__(self, address: str | None = "auto", *, workers_per_node: int | None = None,
                  fingerprints: Fingerprints = "same", use_head: bool = True, cc: str = "cc",
-                 say: Callable[[str], None] | None = None) -> None:  # fmt: skip
+                 say: Callable[[str], None] | None = None, evaluator: type = NodeEvaluator) -> None:  # fmt: skip
         try:
             import ray
         except ImportError:
             raise ClusterUnavailable("Ray is not installed: pip install -e '.[ray]'") from None
         self._ray = ray
         self.fingerprints, self.cc, self.workers_per_node, self.use_head = fingerprints, cc, workers_per_node, use_head
+        self._evaluator = evaluator
         self._say = say or (lambda line: print(f"evoforge: {line}", file=sys.stderr, flush=True))
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -224,6 +226,7 @@ class RayPool:
         self._speed: dict[str, Any] | None = None
         self._refs: dict[Any, tuple[_Job, str]] = {}
         self._queue: collections.deque[_Job] = collections.deque()
+        self._ready: collections.deque[Any] = collections.deque()  # refs found done, not returned yet
         self._modules: dict[str, dict[str, str]] = {}
         self._last_discovery = 0.0
         self._closed = False
@@ -253,7 +256,7 @@ class RayPool:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self._last_discovery = time.monotonic()
-        evaluator = ray.remote(NodeEvaluator)
+        evaluator = ray.remote(self._evaluator)
         for node in ray.nodes():
             nid = node["NodeID"]
             if not node.get("Alive") or nid in self._nodes or nid in self._lost:
@@ -262,7 +265,7 @@ class RayPool:
                 continue
             workers = self.workers_per_node or max(1, int(node.get("Resources", {}).get("CPU", 1)))
             actor = evaluator.options(
-                num_cpus=0, max_restarts=0, max_concurrency=1000,
+                num_cpus=0, max_restarts=0, max_concurrency=workers + 8,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
             ).remote(workers, self.cc)  # fmt: skip
             try:
@@ -357,21 +360,27 @@ class RayPool:
                 self._discover()
                 self._dispatch()
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._refs:
+            if not self._refs and not self._ready:
                 if deadline is not None and left == 0.0:
                     return None
                 time.sleep(min(0.05, left if left is not None else 0.05))
                 continue
-            ready, _ = ray.wait(list(self._refs), num_returns=1, timeout=min(left, 1.0) if left is not None else 1.0)
-            if not ready:
-                if deadline is not None and time.monotonic() >= deadline:
-                    return None
-                continue
-            job, nid = self._refs.pop(ready[0])
+            if not self._ready:
+                refs = list(self._refs)
+                first, _ = ray.wait(refs, num_returns=1, timeout=min(left, 1.0) if left is not None else 1.0)
+                if not first:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return None
+                    continue
+                # every other one that is done too: one scan of the in-flight refs per batch, not per result
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                self._ready.extend(done or first)
+            ref = self._ready.popleft()
+            job, nid = self._refs.pop(ref)
             if nid in self._nodes:
                 self._nodes[nid].free += 1
             try:
-                result: EvalResult = ray.get(ready[0])
+                result: EvalResult = ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError,
                     ray.exceptions.ObjectLostError) as exc:  # fmt: skip
                 self._node_lost(nid)
