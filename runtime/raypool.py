@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import itertools
+import logging
 import os
 import socket
 import sys
@@ -217,7 +218,7 @@ class RayPool:
             _require_reachable(address)
             try:
                 ray.init(address=address, log_to_driver=False, include_dashboard=False,
-                         configure_logging=False)  # fmt: skip
+                         logging_level=logging.WARNING)  # fmt: skip
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise ClusterUnavailable(f"no Ray cluster at {address!r} ({str(exc).splitlines()[0]}): start one "
                                          "with `ray start --head`, or run without --ray") from None  # fmt: skip

@@ -17,7 +17,13 @@ ray = pytest.importorskip("ray")
 from runtime_helpers import request  # noqa: E402
 
 from runtime.executor import EvalRequest  # noqa: E402
-from runtime.raypool import ClusterUnavailable, MixedHardware, RayPool, speed_differences  # noqa: E402
+from runtime.raypool import (  # noqa: E402
+    ClusterUnavailable,
+    MixedHardware,
+    NodeEvaluator,
+    RayPool,
+    speed_differences,
+)
 from runtime.result import EvalResult, Status  # noqa: E402
 
 _NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
@@ -138,6 +144,25 @@ def test_fingerprints_are_compared_on_what_decides_speed():
          "numpy": "2.3"}  # fmt: skip
     assert speed_differences(a, dict(a)) == []
     assert speed_differences(a, {**a, "cpu_model": "EPYC", "compiler": "gcc 13"}) == ["cpu_model", "compiler"]
+
+
+def test_nodes_of_another_cpu_are_refused_unless_ranked_by_ratio(cluster):
+    class OtherCpuOffTheHead(NodeEvaluator):  # defined here: Ray ships it to the nodes by value
+        """Reports another CPU model on every node but the head (there is no such machine here)."""
+
+        def describe(self) -> dict:
+            info = super().describe()
+            head = any(n["NodeID"] == info["node"] and "node:__internal_head__" in n["Resources"] for n in ray.nodes())
+            return info if head else {**info, "speed": {**info["speed"], "cpu_model": "Some Other CPU"}}
+
+    cluster.wait_for_nodes()
+    with pytest.raises(MixedHardware, match="differs from the others in cpu_model"):
+        RayPool(cluster.address, workers_per_node=1, evaluator=OtherCpuOffTheHead)
+    lines: list[str] = []
+    with RayPool(cluster.address, workers_per_node=1, fingerprints="ratio", evaluator=OtherCpuOffTheHead,
+                 say=lines.append) as pool:  # fmt: skip
+        assert len(pool.nodes()) >= 2
+    assert any("ranked by vs_reference" in line for line in lines)
 
 
 def test_ratio_ranking_makes_vs_reference_the_fitness(cluster, tmp_path):
