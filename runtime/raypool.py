@@ -214,6 +214,10 @@ class RayPool:
         self._evaluator = evaluator
         self._say = say or (lambda line: print(f"evoforge: {line}", file=sys.stderr, flush=True))
         self._owns_ray = not ray.is_initialized()
+        if not self._owns_ray and address not in (None, "auto", "local"):
+            current = ray.get_runtime_context().gcs_address
+            if address.removeprefix("ray://") != current:
+                raise ClusterUnavailable(f"this process is connected to the Ray cluster at {current}, not {address}")
         if self._owns_ray:
             _require_reachable(address)
             try:

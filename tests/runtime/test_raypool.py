@@ -49,6 +49,13 @@ def pool(cluster) -> Iterator[RayPool]:
         yield p
 
 
+def _ensure_nodes(cluster, n: int) -> None:
+    """At least ``n`` live nodes (tests before may have killed some)."""
+    while len([x for x in ray.nodes() if x["Alive"]]) < n:
+        cluster.add_node(**_NODE)
+        cluster.wait_for_nodes()
+
+
 def _all(pool: RayPool, n: int, timeout: float = 120.0) -> dict[str, EvalResult]:
     out: dict[str, EvalResult] = {}
     deadline = time.monotonic() + timeout
@@ -155,7 +162,8 @@ def test_nodes_of_another_cpu_are_refused_unless_ranked_by_ratio(cluster):
             head = any(n["NodeID"] == info["node"] and "node:__internal_head__" in n["Resources"] for n in ray.nodes())
             return info if head else {**info, "speed": {**info["speed"], "cpu_model": "Some Other CPU"}}
 
-    cluster.wait_for_nodes()
+    with RayPool(cluster.address, workers_per_node=1):  # connected, to count the nodes
+        _ensure_nodes(cluster, 2)
     with pytest.raises(MixedHardware, match="differs from the others in cpu_model"):
         RayPool(cluster.address, workers_per_node=1, evaluator=OtherCpuOffTheHead)
     lines: list[str] = []
