@@ -75,6 +75,15 @@ def search(ctx: click.Context, text: str, task: str | None, kind: str | None, k:
 @click.pass_context
 def stats(ctx: click.Context, as_json: bool) -> None:
     """How many entries, per task and kind; the index, the embedder, the size on disk."""
+    path: Path = ctx.obj["path"]
+    if Memory.stored_embedder(path) is None:  # no memory yet: a state, not an error
+        s = {"path": str(path), "entries": 0, "index": None, "embedder": None, "dim": None, "size_bytes": 0,
+             "per_task": {}, "per_kind": {}}  # fmt: skip
+        if as_json:
+            click.echo(json.dumps(s, indent=2))
+        else:
+            click.echo(f"{path}: no memory yet, 0 entries (fill it with evo memory add RUN_DIR, or let evo run do it)")
+        return
     with _open(ctx) as mem:
         s = mem.stats()
     if as_json:

@@ -88,3 +88,13 @@ def test_evo_memory_entry_point(run_dir, tmp_path):
     assert done.returncode == 0 and done.stdout.startswith("added "), done.stderr
     err = evo("--path", str(tmp_path / "none"), "stats")
     assert err.returncode == 2 and err.stderr.startswith("error: no memory in") and err.stderr.count("\n") == 1
+
+
+def test_stats_of_a_memory_not_made_yet_is_an_empty_summary(tmp_path):
+    """An empty memory is a state, not an error: exit 0, zero entries, in text and JSON."""
+    where = str(tmp_path / "not-yet")
+    text = evo_memory("--path", where, "stats")
+    assert "no memory yet, 0 entries" in text.output
+    as_json = json.loads(evo_memory("--path", where, "stats", "--json").output)
+    assert as_json["entries"] == 0 and as_json["per_task"] == {}
+    assert not (tmp_path / "not-yet").exists()  # looking creates nothing

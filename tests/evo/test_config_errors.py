@@ -108,3 +108,15 @@ def test_export_to_an_unwritable_path_is_a_user_error(tmp_path):
     target = str(tmp_path / "no" / "such" / "x.c")
     proc = evo("archive", "export", str(tmp_path / "run"), cid, "-o", target, cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: cannot write") and "Traceback" not in proc.stderr
+
+
+def test_resume_accepts_the_runs_own_seed_and_refuses_another(tmp_path):
+    """An unchanged value is not a change: --resume --seed S on a run of seed S goes on."""
+    cfg = write(tmp_path, merged(budget={"max_evals": 1}, search={"workers": 1, "initial_random": 0},
+                                 evaluation={"timing": {"max_seconds": 0.05}}, memory={"enabled": False}))
+    run = str(tmp_path / "run")
+    assert evo("run", str(cfg), "--run-dir", run, "--seed", "3", cwd=tmp_path).returncode == 0
+    same = evo("run", str(cfg), "--run-dir", run, "--resume", "--seed", "3", "--max-evals", "2", cwd=tmp_path)
+    assert same.returncode == 0, same.stderr[-2000:]
+    other = evo("run", str(cfg), "--run-dir", run, "--resume", "--seed", "4", cwd=tmp_path)
+    assert other.returncode == 2 and "this run's seed is 3" in other.stderr and "Traceback" not in other.stderr
