@@ -44,15 +44,6 @@ def cli() -> None:
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
 
 
-def _backend_name(config: RunConfig) -> str:
-    from runtime.task import TaskLoadError, load_task_class
-
-    try:
-        return load_task_class(config.task.name).backend
-    except TaskLoadError:
-        return ""
-
-
 def _with_overrides(config: RunConfig, **kw: Any) -> RunConfig:
     budget = {k: v for k, v in (("max_evals", kw["max_evals"]), ("max_time", kw["max_time"])) if v is not None}
     search = {k: v for k, v in (("workers", kw["workers"]), ("seed", kw["seed"])) if v is not None}
@@ -86,9 +77,6 @@ def run(config_path: Path, run_dir: Path | None, resume: bool, **overrides: Any)
     except CompilerNotFound as exc:
         raise UserError(str(exc)) from None
     require_backend(config, config_path)  # e.g. a CUDA task without a GPU: one line, and the fix
-    if (overrides.get("ray") or config.execution.kind == "ray") and _backend_name(config) == "engine":
-        raise UserError("engine tasks do not run on a Ray cluster yet (their kernel runs live on this disk, and "
-                        "an engine's load test wants a whole machine): run without --ray / execution.kind: ray")
     path = run_dir or Path("runs") / (config.name or config_path.stem)
     if resume:
         rd = RunDir.open(path)

@@ -62,14 +62,17 @@ class RunDir:
             raise UserError(f"{self.path / DB_NAME} has no stored config: it was not written by evo run")
         return parse_config(yaml.safe_load(text), source=f"{self.path / DB_NAME} (stored config)")
 
-    def make_pool(self, workers: int, execution: ExecutionConfig | None = None, cc: str = "cc"):  # noqa: ANN201
+    def make_pool(self, workers: int, execution: ExecutionConfig | None = None, cc: str = "cc",
+                  backend: str = "") -> object:  # fmt: skip
         """The executor: a :class:`runtime.pool.LocalPool` of ``workers``, or a :class:`runtime.raypool.RayPool`
-        over a Ray cluster (``execution.kind: ray``), whose slots are its nodes'."""
+        over a Ray cluster (``execution.kind: ray``), whose slots are its nodes' (one per node for an engine
+        task, unless ``workers_per_node`` says otherwise: a load test wants the machine)."""
         if execution is not None and execution.kind == "ray":
             from runtime.raypool import ClusterUnavailable, MixedHardware, RayPool
 
+            per_node = execution.workers_per_node or (1 if backend == "engine" else None)
             try:
-                return RayPool(execution.address, workers_per_node=execution.workers_per_node,
+                return RayPool(execution.address, workers_per_node=per_node,
                                fingerprints=execution.fingerprints, use_head=execution.use_head,
                                cc=cc)  # fmt: skip
             except (ClusterUnavailable, MixedHardware) as exc:

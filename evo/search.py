@@ -115,7 +115,7 @@ class Search:
         resumed = len(queue)
         queue += self._initial_population()
         executor = self._pool = self._executor or self.run_dir.make_pool(
-            self.workers, self.config.execution, self.config.evaluation.compiler.cc)
+            self.workers, self.config.execution, self.config.evaluation.compiler.cc, self.task.backend)
         self.workers = getattr(executor, "slots", self.workers)  # a cluster's slots are its nodes'
         self.reporter.start(total=self.config.budget.max_evals, done=self._evaluated, workers=self.workers)
         self.reporter.note(

@@ -94,12 +94,31 @@ def test_a_driver_killed_mid_run_resumes_on_the_cluster(cluster, tmp_path):
     assert done_before <= {r[0] for r in evaluated}
 
 
-def test_an_engine_task_on_a_cluster_is_refused_in_one_line(tmp_path):
-    cfg = tmp_path / "engine.yaml"
-    cfg.write_text(yaml.safe_dump({"task": {"name": "engine"}, "archive": {"descriptors": ["p99_ms"], "bins": 3},
-                                   "memory": {"enabled": False}}))  # fmt: skip
-    out = _evo("run", str(cfg), "--run-dir", str(tmp_path / "run"), "--ray", "127.0.0.1:9", cwd=tmp_path)
-    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "engine tasks do not run" in out.stderr
+def test_an_engine_search_on_the_cluster_reads_its_kernel_runs_from_a_snapshot(cluster, tmp_path):
+    """The kernel run lives on the driver's disk only; the nodes get a snapshot of its store."""
+    ln = tmp_path / "ln.yaml"
+    ln.write_text(yaml.safe_dump({
+        "task": {"name": "layernorm", "args": {"rows": 64, "cols": 384}},
+        "evaluation": {"timing": {"max_seconds": 0.1, "max_repeats": 10, "min_seconds": 0}, "check_trials": 1},
+        "search": {"workers": 1, "initial_random": 1}, "budget": {"max_evals": 3},
+        "archive": {"descriptors": ["vector_width"], "bins": 4}, "memory": {"enabled": False}}))  # fmt: skip
+    assert _evo("run", str(ln), "--run-dir", str(tmp_path / "ln"), cwd=tmp_path).returncode == 0
+    eng = tmp_path / "eng.yaml"
+    eng.write_text(yaml.safe_dump({
+        "task": {"name": "engine", "args": {
+            "threads": 1, "concurrency": 2, "duration_s": 0.3, "warmup_s": 0.05, "texts": 16,
+            "lengths": {10: 1.0}, "p99_budget_ms": 10000, "kernels": {"layernorm": {"run_dir": "ln", "top": 2}}}},
+        "space": {"params": {"max_batch": {"type": "pow2", "low": 1, "high": 8}, "worker_kind": ["thread"]}},
+        "search": {"initial_random": 3}, "budget": {"max_evals": 5},
+        "archive": {"descriptors": ["p99_ms"], "bins": 3, "ranges": [[0, 10000]]}, "memory": {"enabled": False}}))
+    out = _evo("run", str(eng), "--run-dir", str(tmp_path / "eng"), "--ray", cluster.address, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _rows(tmp_path / "eng")
+    assert [r[1] for r in rows] == ["ok"] * 5, [(r[1], r[3].get("error")) for r in rows]
+    with sqlite3.connect(tmp_path / "eng" / "archive.db") as db:
+        params = [json.loads(p) for (p,) in db.execute("SELECT params FROM candidates")]
+    assert any(p.get("kernel_layernorm", "numpy") != "numpy" for p in params)  # an evolved kernel, on a node
+    assert all(r[3].get("node") for r in rows)
 
 
 def test_an_unreachable_cluster_ends_the_run_in_one_line(tmp_path):
