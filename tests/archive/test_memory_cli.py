@@ -68,7 +68,7 @@ def test_cli_add_search_stats_export_import_prune(run_dir, tmp_path, minilm):
 
 def test_cli_user_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("EVOFORGE_MEMORY_DIR", str(tmp_path / "default"))
-    r = evo_memory("stats", ok=False)
+    r = evo_memory("search", "a blocked matmul", ok=False)  # searching a memory not made yet
     assert isinstance(r.exception, UserError) and "no memory in" in str(r.exception)
     assert str(tmp_path / "default") in str(r.exception)
     r = evo_memory("--path", str(tmp_path), "add", str(tmp_path / "nope"), ok=False)
@@ -86,8 +86,10 @@ def test_evo_memory_entry_point(run_dir, tmp_path):
 
     done = evo("--path", str(tmp_path / "m"), "--embedder", "hash", "add", str(run_dir))
     assert done.returncode == 0 and done.stdout.startswith("added "), done.stderr
-    err = evo("--path", str(tmp_path / "none"), "stats")
+    err = evo("--path", str(tmp_path / "none"), "search", "a blocked matmul")
     assert err.returncode == 2 and err.stderr.startswith("error: no memory in") and err.stderr.count("\n") == 1
+    empty = evo("--path", str(tmp_path / "none"), "stats")
+    assert empty.returncode == 0 and "0 entries" in empty.stdout
 
 
 def test_stats_of_a_memory_not_made_yet_is_an_empty_summary(tmp_path):

@@ -209,11 +209,15 @@ def test_a_thread_slowing_the_reference_is_invalid_or_cannot_start(workdir, pool
 
 
 def test_an_honest_kernel_measures_the_same_after_the_cheats(workdir, pool):
-    before = run(pool, _matmul(workdir, HONEST + "/* before */"), timeout=120)
+    def honest(tag: str) -> float:
+        """The median ``vs_reference`` of three evaluations: one timing of this ~40 us reference varies
+        by half from one evaluation to the next on a busy 2-core machine."""
+        results = [run(pool, _matmul(workdir, HONEST + f"/* {tag} {i} */"), timeout=120) for i in range(3)]
+        assert all(r.status is Status.OK for r in results), [r.error for r in results]
+        return sorted(r.metrics["vs_reference"] for r in results)[1]
+
+    before = honest("before")
     for cheat in (PROBE, CLOCK_PATCH, SLOW_THE_RIVAL):
         run(pool, _matmul(workdir, cheat + "/* again */"), timeout=120)
-    after = run(pool, _matmul(workdir, HONEST + "/* after */"), timeout=120)
-    assert before.status is Status.OK and after.status is Status.OK, (before.error, after.error)
-    # the ratio to the reference timed beside it: the machine's own speed drifts twofold within seconds here
-    vs_before, vs_after = before.metrics["vs_reference"], after.metrics["vs_reference"]
-    assert 0.6 < vs_after / vs_before < 1.6, (before.fitness, after.fitness, vs_before, vs_after)
+    after = honest("after")
+    assert 0.6 < after / before < 1.6, (before, after)
