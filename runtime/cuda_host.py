@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.host import CandidateHost, compiled_filters
+from runtime.host import CandidateHost, compiled_filters, encode_args
 from runtime.toolchain.cuda_launch import Launch
 
 __all__ = ["FILL_KINDS", "CudaHost", "CudaHostLauncher", "RemoteBuffer", "build_cuda_host", "cuda_include_dir"]
@@ -205,17 +205,9 @@ class CudaHost(CandidateHost):
 
     def bind_launch(self, launch: Launch, args: Sequence[Any]) -> int:  # type: ignore[override]
         """A handle launching the kernel with ``launch`` on ``args`` (ints, floats, this host's buffers)."""
-        spec = [struct.pack("<7I", *launch.grid, *launch.block, launch.shared_bytes), struct.pack("<I", len(args))]
-        for a in args:
-            if isinstance(a, RemoteBuffer):
-                spec.append(b"p" + struct.pack("<I", a.id))
-            elif isinstance(a, (bool, int, np.integer)):
-                spec.append(b"i" + struct.pack("<i", int(a)))
-            elif isinstance(a, (float, np.floating)):
-                spec.append(b"f" + struct.pack("<f", float(a)))
-            else:
-                raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
-        answer = self.ask(b"B" + b"".join(spec))
+        shape = struct.pack("<7I", *launch.grid, *launch.block, launch.shared_bytes)
+        args_spec = encode_args(args, lambda a: struct.pack("<I", a.id) if isinstance(a, RemoteBuffer) else None)
+        answer = self.ask(b"B" + shape + args_spec)
         return struct.unpack("<I", answer[1:5])[0]
 
     def run(self, handle: int) -> None:

@@ -41,13 +41,13 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CandidateHost", "HostDied", "HostLauncher", "build_host", "compiled_filters", "filter_available",
-           "make_undumpable"]  # fmt: skip
+__all__ = ["CandidateHost", "HostDied", "HostLauncher", "build_host", "compiled_filters", "encode_args",
+           "filter_available", "make_undumpable"]  # fmt: skip
 
 _PR_SET_DUMPABLE = 4
 _CPUCLOCK_SCHED = 2
@@ -69,6 +69,23 @@ def filter_available() -> bool:
     except (ImportError, OSError):
         return False
     return True
+
+
+def encode_args(args: Sequence[Any], pointer: Callable[[Any], bytes | None]) -> bytes:
+    """A kernel's arguments as a host reads them: u32 count, then ``p`` + ``pointer(a)`` for what ``pointer``
+    places (a buffer), ``i`` + i32 for ints, ``f`` + f32 for floats."""
+    spec = [struct.pack("<I", len(args))]
+    for a in args:
+        where = pointer(a)
+        if where is not None:
+            spec.append(b"p" + where)
+        elif isinstance(a, (bool, int, np.integer)):
+            spec.append(b"i" + struct.pack("<i", int(a)))
+        elif isinstance(a, (float, np.floating)):
+            spec.append(b"f" + struct.pack("<f", float(a)))
+        else:
+            raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
+    return b"".join(spec)
 
 
 class HostDied(RuntimeError):
@@ -250,19 +267,14 @@ class CandidateHost:
 
     def bind(self, args: Sequence[Any]) -> int:
         """A handle calling the kernel on ``args`` (ints, floats, arrays in this host's buffers)."""
-        spec = [struct.pack("<I", len(args))]
-        for a in args:
-            if isinstance(a, np.ndarray):
-                if not a.flags.c_contiguous:
-                    raise TypeError("kernel array arguments must be C-contiguous")
-                spec.append(b"p" + _MAP.pack(*self._locate(a)))
-            elif isinstance(a, (bool, int, np.integer)):
-                spec.append(b"i" + struct.pack("<i", int(a)))
-            elif isinstance(a, (float, np.floating)):
-                spec.append(b"f" + struct.pack("<f", float(a)))
-            else:
-                raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
-        answer = self._request(b"B" + b"".join(spec))
+        def pointer(a: Any) -> bytes | None:
+            if not isinstance(a, np.ndarray):
+                return None
+            if not a.flags.c_contiguous:
+                raise TypeError("kernel array arguments must be C-contiguous")
+            return _MAP.pack(*self._locate(a))
+
+        answer = self._request(b"B" + encode_args(args, pointer))
         if answer[:1] != b"h":
             raise TypeError(answer[1:].decode(errors="replace"))
         return _ID.unpack(answer[1:5])[0]

@@ -173,9 +173,9 @@ def _become_subreaper() -> None:
     _SUBREAPER_SET = True
 
 
-def group_members(pgid: int) -> list[int]:
-    """Pids (zombies included) whose process group is ``pgid``."""
-    found = []
+def process_table() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, process group, state) of every process (``/proc/PID/stat``)."""
+    out = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -183,9 +183,13 @@ def group_members(pgid: int) -> list[int]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[2]) == pgid:
-                found.append(int(entry))
-    return found
+            out[int(entry)] = (int(fields[1]), int(fields[2]), fields[0])
+    return out
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids (zombies included) whose process group is ``pgid``."""
+    return [pid for pid, (_, group, _) in process_table().items() if group == pgid]
 
 
 def kill_group(pgid: int, leader: subprocess.Popen[Any] | None = None, patience: float = 10.0) -> bool:

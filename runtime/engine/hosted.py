@@ -35,6 +35,7 @@ from runtime.engine.ops import Ops
 from runtime.engine.runs import KernelSource
 from runtime.engine.wire import FrameError, decode_result, encode_batch, read_frame, write_frame
 from runtime.host import HostDied
+from runtime.sandbox import process_table
 from runtime.settings import CompilerSettings
 
 __all__ = ["EngineBuildFailed", "EngineProcess", "EngineTemplate", "HostedEngine", "frozen", "process_tree",
@@ -50,23 +51,9 @@ class EngineBuildFailed(RuntimeError):
 # --- processes -----------------------------------------------------------------------------------------
 
 
-def _table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (parent pid, process group, state) of every process."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            out[int(entry)] = (int(fields[1]), int(fields[2]), fields[0])
-    return out
-
-
 def process_tree(root: int, table: Mapping[int, tuple[int, int, str]] | None = None) -> list[int]:
     """``root`` and its descendants (those still parented within the tree)."""
-    table = _table() if table is None else table
+    table = process_table() if table is None else table
     if root not in table:
         return []
     found, frontier = [root], [root]
@@ -79,7 +66,7 @@ def process_tree(root: int, table: Mapping[int, tuple[int, int, str]] | None = N
 def group_except(trees: Iterable[int] = (), pids: Iterable[int] = ()) -> list[int]:
     """Processes of this process's group other than this one, ``pids`` and the trees of ``trees``: another
     engine's processes, and any an engine orphaned (they cannot leave the group)."""
-    table = _table()
+    table = process_table()
     pgrp, me = os.getpgrp(), os.getpid()
     spared = {me, *pids}
     for pid in trees:
@@ -102,7 +89,7 @@ def frozen(select: Callable[[], list[int]]) -> Iterator[list[int]]:
             stopped.append(pid)
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:
-        table = _table()
+        table = process_table()
         if all(table.get(pid, (0, 0, "T"))[2] in "TtZX" for pid in stopped):
             break
         time.sleep(0.001)
