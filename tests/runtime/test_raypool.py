@@ -188,7 +188,6 @@ def test_a_cluster_that_cannot_be_reached_is_one_clear_error_not_a_hang():
     with pytest.raises(ClusterUnavailable, match="no Ray cluster answers at 127.0.0.1:9"):
         RayPool("127.0.0.1:9")
     assert time.monotonic() - t0 < 15
-    assert issubclass(MixedHardware, RuntimeError)
 
 
 def test_a_node_without_the_compiler_is_one_clear_error(cluster):
