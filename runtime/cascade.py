@@ -48,8 +48,17 @@ def open_program(
 
 
 def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult:
-    """Runs the stages ``request`` asks for; a failing stage ends it with its status."""
-    t_start = time.perf_counter()
+    """Runs the stages ``request`` asks for; a failing stage ends it with its status. The whole evaluation
+    shares the machine's timing lock, which its timings hold alone: nothing of it runs while another
+    worker times."""
+    if ctx.lock is None:
+        return _evaluate(request, task, ctx, 0.0)
+    with ctx.lock.shared() as waited:
+        return _evaluate(request, task, ctx, waited)
+
+
+def _evaluate(request: EvalRequest, task: Task, ctx: WorkerContext, waited: float) -> EvalResult:
+    t_start = time.perf_counter() - waited
     backend = backend_for(task)
     settings = request.settings
     timings: dict[str, float] = {}
@@ -105,6 +114,8 @@ def evaluate(request: EvalRequest, task: Task, ctx: WorkerContext) -> EvalResult
     calls = sum(p.calls_s for p in opened)
     total = time.perf_counter() - t_start
     timings.update(total_s=total, calls_s=calls)
+    if waited > 0.001:  # for the share; the stages' own waits are in already
+        timings["lock_wait_s"] = timings.get("lock_wait_s", 0.0) + waited
     timings["overhead_s"] = max(0.0, total - timings.get("compile_s", 0.0) - calls - timings.get("lock_wait_s", 0.0))
     return EvalResult(status=status, fitness=fitness, unit=task.unit, metrics=metrics, error=error, timings=timings,
                       hardware=hardware, outputs=outputs)  # fmt: skip

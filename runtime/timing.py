@@ -30,31 +30,71 @@ __all__ = ["TimingLock", "TimingRun", "pinned", "relative_uncertainty", "time_in
 
 
 class TimingLock:
-    """An exclusive ``flock`` on a file shared by every worker on the machine.
+    """Timing holds the whole machine; everything else a worker does (compile, check, verify) shares it.
 
-    The file is opened at construction (a worker does it before dropping privileges) and created
-    world-writable, so workers of any user can share it.
+    Two ``flock``-ed files shared by every worker on the machine: the lock file, held exclusively while a
+    worker times and shared while it does anything else, and a gate beside it (``<path>.gate``) that a
+    timer takes before the lock and a sharer passes through on its way in. Sharers that arrive while a
+    timer waits queue behind it, so a stream of compiles never starves a timing, and no compile or check
+    runs on another core while a candidate is timed. The files are opened at construction (a worker does
+    it before dropping privileges) and created world-writable, so workers of any user can share them.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        with contextlib.suppress(OSError):  # not ours to change when another user created it
-            if os.fstat(self._fd).st_uid == os.geteuid():
-                os.fchmod(self._fd, 0o666)
+        self._fd = _open_lock_file(path)
+        self._gate = _open_lock_file(f"{path}.gate")
+        self._sharing = 0
 
     @contextlib.contextmanager
-    def held(self) -> Iterator[float]:
-        """Holds the lock; yields the seconds spent waiting for it."""
+    def shared(self) -> Iterator[float]:
+        """Shares the machine (no timing runs meanwhile); re-entrant. Yields the seconds spent waiting."""
         t0 = time.perf_counter()
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        if self._sharing == 0:
+            fcntl.flock(self._gate, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_SH)
+            finally:
+                fcntl.flock(self._gate, fcntl.LOCK_UN)
+        self._sharing += 1
         try:
             yield time.perf_counter() - t0
         finally:
+            self._sharing -= 1
+            if self._sharing == 0:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[float]:
+        """Holds the machine alone; yields the seconds spent waiting. Inside :meth:`shared`, this process's
+        share is given up for the while (a timer waiting on its own share would wait for ever) and taken
+        back before any other sharer may enter."""
+        t0 = time.perf_counter()
+        sharing = self._sharing > 0
+        if sharing:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
+        fcntl.flock(self._gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield time.perf_counter() - t0
+            finally:
+                # Converting is not atomic, but no sharer passes the gate we hold meanwhile.
+                fcntl.flock(self._fd, fcntl.LOCK_SH if sharing else fcntl.LOCK_UN)
+        finally:
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
 
     def close(self) -> None:
         os.close(self._fd)
+        os.close(self._gate)
+
+
+def _open_lock_file(path: str) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    with contextlib.suppress(OSError):  # not ours to change when another user created it
+        if os.fstat(fd).st_uid == os.geteuid():
+            os.fchmod(fd, 0o666)
+    return fd
 
 
 @contextlib.contextmanager

@@ -86,6 +86,89 @@ def test_lock_excludes_another_process(tmp_path):
     lock.close()
 
 
+_HOLDER = """
+import sys, time
+from runtime.timing import TimingLock
+lock = TimingLock(sys.argv[1])
+mode, hold = sys.argv[2], float(sys.argv[3])
+with (lock.held() if mode == "time" else lock.shared()):
+    print("in", time.monotonic(), flush=True)
+    time.sleep(hold)
+    print("out", time.monotonic(), flush=True)
+"""
+
+
+def _hold(path: str, mode: str, seconds: float) -> subprocess.Popen:
+    argv = [sys.executable, "-c", _HOLDER, path, mode, str(seconds)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+
+
+def _entered(proc: subprocess.Popen) -> float:
+    word, at = proc.stdout.readline().split()  # type: ignore[union-attr]
+    assert word == "in"
+    return float(at)
+
+
+def _finish(proc: subprocess.Popen) -> dict[str, float]:
+    """When the holder still to be read went in and came out."""
+    out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    return {word: float(at) for word, at in (line.split() for line in out.splitlines())}
+
+
+def test_a_timing_holds_the_machine_against_compiles_elsewhere(tmp_path):
+    path = str(tmp_path / "timing.lock")
+    lock = TimingLock(path)
+    compiling = _hold(path, "share", 0.5)  # another worker compiles or checks
+    _entered(compiling)
+    with lock.held() as waited:
+        assert waited >= 0.4, "a timing started while another worker was compiling"
+    _finish(compiling)
+    timing = _hold(path, "time", 0.5)  # another worker times
+    _entered(timing)
+    with lock.shared() as waited:
+        assert waited >= 0.4, "a compile ran while another worker was timing"
+    _finish(timing)
+    lock.close()
+
+
+def test_a_waiting_timing_is_not_overtaken_by_compiles(tmp_path):
+    path = str(tmp_path / "timing.lock")
+    first = _hold(path, "share", 0.6)
+    _entered(first)
+    timing = _hold(path, "time", 0.3)
+    time.sleep(0.2)  # the timer now waits for the first compile
+    second = _hold(path, "share", 0.0)
+    first_left = _finish(first)["out"]
+    timer = _finish(timing)
+    assert timer["in"] >= first_left - 0.01
+    assert _finish(second)["in"] >= timer["out"] - 0.01, "a compile that came after the timer went before it"
+
+
+def test_timing_inside_a_share_gives_it_up_and_takes_it_back(tmp_path):
+    path = str(tmp_path / "timing.lock")
+    lock = TimingLock(path)
+    probe = (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
+        "for how in (fcntl.LOCK_SH, fcntl.LOCK_EX):\n"
+        "    try:\n        fcntl.flock(fd, how | fcntl.LOCK_NB); fcntl.flock(fd, fcntl.LOCK_UN)\n"
+        "        print('free', end=' ')\n"
+        "    except BlockingIOError:\n        print('held', end=' ')\n"
+    )
+
+    def probe_says() -> str:  # can another process share the lock, and hold it?
+        return subprocess.run([sys.executable, "-c", probe, path], capture_output=True, text=True).stdout.strip()
+
+    with lock.shared():
+        assert probe_says() == "free held"
+        with lock.shared(), lock.held() as waited:  # a timing inside the evaluation sharing the machine
+            assert waited < 1.0
+            assert probe_says() == "held held"
+        assert probe_says() == "free held"
+    assert probe_says() == "free free"
+    lock.close()
+
+
 def test_pinned_restores_affinity():
     before = os.sched_getaffinity(0)
     with pinned(None) as cores:
