@@ -9,6 +9,7 @@ from archive._llm import OUTCOME_RANK, LLMCall
 from archive._query import LAYOUT_KEY, best_per_cell, load_archive, operator_stats, rebuild_archive, save_layout
 from archive._schema import SCHEMA_VERSION
 from archive._store import PendingEntry, Store
+from archive._view import Objective, RunNotFound, RunView, pareto_front, read_run
 
 __all__ = [
     "LAYOUT_KEY",
@@ -24,15 +25,20 @@ __all__ = [
     "Elite",
     "GridArchive",
     "LLMCall",
+    "Objective",
     "PendingEntry",
     "QDSnapshot",
     "QDStats",
+    "RunNotFound",
+    "RunView",
     "SchemaVersionError",
     "Store",
     "StoreError",
     "best_per_cell",
     "load_archive",
     "operator_stats",
+    "pareto_front",
+    "read_run",
     "rebuild_archive",
     "save_layout",
 ]

@@ -101,6 +101,8 @@ class LLMRecords:
         """Per ``model`` or ``operator``: proposals, applied, compiled, correct, improved, calls, cached, tokens."""
         if by not in ("model", "operator"):
             raise ValueError("by must be 'model' or 'operator'")
+        if getattr(self, "schema_version", 2) < 2:  # stored before model calls were kept
+            return {}
         stages = {s: [o for o, r in OUTCOME_RANK.items() if r >= rank] for s, rank in OUTCOME_RANK.items()}
         cols = ", ".join(
             f"COUNT(DISTINCT CASE WHEN outcome IN ({','.join(repr(o) for o in outs)}) THEN proposal END)"

@@ -17,7 +17,7 @@ from archive._errors import SchemaVersionError
 
 __all__ = ["SCHEMA_VERSION", "ensure_schema"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _DDL = (
     "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -85,14 +85,25 @@ _LLM_DDL = (
         PRIMARY KEY (prompt_hash, slot)
     )""",
 )
-_DDL = _DDL + _LLM_DDL
+# Version 3: how an adaptive operator choice (the bandit) weighed the operators as the run went on.
+_BANDIT_DDL = (
+    """CREATE TABLE bandit_history (
+        evals     INTEGER NOT NULL,  -- evaluations recorded when the weights were taken
+        elapsed_s REAL NOT NULL,     -- seconds since the run started
+        weights   TEXT NOT NULL,     -- JSON object: operator -> expected reward of its next child
+        at        REAL NOT NULL      -- unix seconds
+    )""",
+)
+_DDL = _DDL + _LLM_DDL + _BANDIT_DDL
 
 # from_version -> statements that bring a store to from_version + 1.
-_MIGRATIONS: dict[int, tuple[str, ...]] = {1: _LLM_DDL}
+_MIGRATIONS: dict[int, tuple[str, ...]] = {1: _LLM_DDL, 2: _BANDIT_DDL}
 
 
-def ensure_schema(conn: sqlite3.Connection, *, path: str, readonly: bool) -> None:
-    """Creates the schema in an empty database, migrates an older one, refuses a newer or foreign one."""
+def ensure_schema(conn: sqlite3.Connection, *, path: str, readonly: bool) -> int:
+    """Creates the schema in an empty database, migrates an older one, refuses a newer or foreign one;
+    returns the version the store now has. Read-only, an older store is read as it is: its missing
+    tables read as empty (a report of an old run shows what the run kept)."""
     conn.execute("BEGIN" if readonly else "BEGIN IMMEDIATE")
     try:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -103,25 +114,23 @@ def ensure_schema(conn: sqlite3.Connection, *, path: str, readonly: bool) -> Non
                 conn.execute(stmt)
             conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             conn.execute("COMMIT")
-            return
+            return SCHEMA_VERSION
         version = _read_version(conn, tables, path)
         if version > SCHEMA_VERSION:
             raise SchemaVersionError(
                 f"{path}: schema version {version} was written by a newer evoforge "
                 f"(this one reads up to {SCHEMA_VERSION}); upgrade evoforge to open it"
             )
-        if version < SCHEMA_VERSION:
-            if readonly:
-                raise SchemaVersionError(
-                    f"{path}: schema version {version} needs migrating to {SCHEMA_VERSION}; open it writable once"
-                )
+        if version < SCHEMA_VERSION and not readonly:
             for v in range(version, SCHEMA_VERSION):
                 if v not in _MIGRATIONS:
                     raise SchemaVersionError(f"{path}: no migration from schema version {v}")
                 for stmt in _MIGRATIONS[v]:
                     conn.execute(stmt)
             conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+            version = SCHEMA_VERSION
         conn.execute("COMMIT")
+        return version
     except BaseException:
         conn.execute("ROLLBACK")
         raise

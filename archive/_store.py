@@ -63,7 +63,7 @@ class Store(LLMRecords):
             if not readonly:
                 conn.execute("PRAGMA journal_mode = WAL")
                 conn.execute("PRAGMA synchronous = NORMAL")
-            ensure_schema(conn, path=str(p), readonly=readonly)
+            self.schema_version = ensure_schema(conn, path=str(p), readonly=readonly)
         except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"
             conn.close()
             raise StoreError(f"{p}: {exc}") from exc
@@ -206,6 +206,13 @@ class Store(LLMRecords):
                 (evals, elapsed_s, coverage, qd_score, best, mean, time.time() if at is None else at),
             )
 
+    def add_bandit_weights(self, *, evals: int, elapsed_s: float, weights: dict[str, float],
+                           at: float | None = None) -> None:  # fmt: skip
+        """Appends how the adaptive operator choice weighs each operator now to ``bandit_history``."""
+        with self._write() as c:
+            c.execute("INSERT INTO bandit_history (evals, elapsed_s, weights, at) VALUES (?, ?, ?, ?)",
+                      (evals, elapsed_s, json.dumps(weights, sort_keys=True), time.time() if at is None else at))
+
     # -- reads -------------------------------------------------------------------------------------
 
     def _select(self, where: str, params: Sequence[Any] = ()) -> list[Candidate]:
@@ -318,3 +325,11 @@ class Store(LLMRecords):
             QDSnapshot(evals=e, elapsed_s=s, coverage=c, qd_score=q, best=b, mean=m, at=at)
             for e, s, c, q, b, m, at in rows
         ]
+
+    def bandit_history(self) -> list[tuple[int, float, dict[str, float]]]:
+        """``(evals, elapsed_s, weights)`` of the adaptive operator choice, in order; empty without a bandit
+        (and for runs stored before it was kept)."""
+        if self.schema_version < 3:
+            return []
+        rows = self._conn.execute("SELECT evals, elapsed_s, weights FROM bandit_history ORDER BY rowid")
+        return [(e, s, json.loads(w)) for e, s, w in rows]

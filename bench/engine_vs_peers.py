@@ -33,7 +33,8 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.engine import Batcher, LoadResult, StoredRun, closed_loop, load_elite  # noqa: E402
+from archive import read_run  # noqa: E402
+from runtime.engine import Batcher, LoadResult, closed_loop, load_elite  # noqa: E402
 from runtime.engine.task import EngineTask  # noqa: E402
 from runtime.timing import pinned  # noqa: E402
 
@@ -126,14 +127,14 @@ def main() -> None:
     args = ap.parse_args()
     seconds = run_search(args.config, args.out, args.max_evals) if args.config else None
     run_dir = args.out if args.config else args.run_dir
-    run = StoredRun(run_dir)
-    task = EngineTask(run.task.args)
+    run = read_run(run_dir)
+    task = EngineTask(run.task_args)
     a = task.args
     threads, duration = task.cores, args.duration or a.duration_s
     cid = args.id or (run.elite_ids(1) or [None])[0]
     if cid is None:
         raise SystemExit(f"no engine elite in {run_dir}")
-    cand = run.candidate(cid)
+    cand = run.stored(cid)
 
     import torch
     from sentence_transformers import SentenceTransformer
@@ -153,11 +154,11 @@ def main() -> None:
         # the elite as evolved, and with its workers of the other kind: threads vs processes, side by side
         kind = task.engine_config(cand.genome).worker_kind
         other = "process" if kind == "thread" else "thread"
-        engines = {f"evoforge engine (evolved: {kind} workers)": load_elite(run_dir, cand.id, model=model),
-                   f"evoforge engine ({other} workers)": load_elite(run_dir, cand.id, model=model,
+        engines = {f"evoforge engine (evolved: {kind} workers)": load_elite(run, cand.id, model=model),
+                   f"evoforge engine ({other} workers)": load_elite(run, cand.id, model=model,
                                                                     overrides={"worker_kind": other})}
         for extra in args.also:
-            engines[f"evoforge engine {run.candidate(extra).id[:12]}"] = load_elite(run_dir, extra, model=model)
+            engines[f"evoforge engine {run.stored(extra).id[:12]}"] = load_elite(run, extra, model=model)
         similarity = {name: min_cosine(e.embed(texts), reference) for name, e in engines.items()}
         for name, embed in peers.items():
             got = np.concatenate([embed(list(texts[i : i + 32])) for i in range(0, len(texts), 32)])

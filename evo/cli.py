@@ -242,6 +242,40 @@ def stats(run_dir: Path, as_json: bool) -> None:
         _stats_table(con, "per model", by_model)
 
 
+@archive.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--objectives", default="throughput,-p99_ms", show_default=True,
+              help="metrics (or fitness) separated by commas; a leading - minimises")
+@click.option("--json", "as_json", is_flag=True, help="print JSON (a list of objects)")
+def pareto(run_dir: Path, objectives: str, as_json: bool) -> None:
+    """The ok candidates no other beats on every objective (e.g. an engine run's throughput against its p99)."""
+    from archive import Objective, RunView, StoreError
+
+    try:
+        objs = Objective.parse_list(objectives)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        with RunView(run_dir) as view:
+            front = view.pareto(objs)
+            empty = not front and [o.metric for o in objs if not any(o.raw(c) is not None for c in view.best(1000))]
+    except StoreError as exc:
+        raise UserError(str(exc)) from None
+    if empty:
+        raise UserError(f"no ok candidate of {run_dir} has {', '.join(empty)}: choose other --objectives "
+                        "(metrics of a candidate: evo archive show RUN ID)")  # fmt: skip
+    if as_json:
+        click.echo(json.dumps([{**_row(c), "objectives": {o.metric: o.raw(c) for o in objs}} for c in front], indent=2))
+        return
+    table = Table(title=f"Pareto front of {run_dir} over {', '.join(str(o) for o in objs)}")
+    table.add_column("id")
+    for o in objs:
+        table.add_column(o.metric, justify="right")
+    for c in front:
+        table.add_row(c.id[:12], *(f"{o.raw(c):.4g}" for o in objs))
+    Console().print(table)
+
+
 def _stats_table(con: Console, title: str, rows: dict[str, dict[str, int]]) -> None:
     cols = ("proposals", "applied", "compiled", "correct", "improved", "tokens")
     table = Table(title=title)
@@ -279,8 +313,11 @@ def main(argv: list[str] | None = None) -> None:
 
 from evo.check_cli import check, require_backend  # noqa: E402 - a command in its own module
 from evo.memory_cli import memory  # noqa: E402 - a command group in its own module
+from evo.report_cli import dashboard, report  # noqa: E402 - commands in their own module
 from evo.serve_cli import serve  # noqa: E402 - a command in its own module
 
 cli.add_command(memory)
 cli.add_command(check)
 cli.add_command(serve)
+cli.add_command(report)
+cli.add_command(dashboard)

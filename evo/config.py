@@ -10,6 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from archive import read_run
 from archive.memory import MemorySettings
 from evo.errors import UserError
 from evo.llm import LLM_OPERATORS, LLMSettings
@@ -213,7 +214,7 @@ def parse_config(data: Any, *, source: str, base_dir: Path | None = None) -> Run
     except ValidationError as exc:
         raise UserError(f"{source}: {_first_error(exc)}") from None
     try:  # relative paths in task args mean relative to where `evo run` runs, as --run-dir does
-        args = load_task_class(config.task.name).resolve_args(config.task.args, os.getcwd())
+        args = load_task_class(config.task.name).resolve_args(config.task.args, os.getcwd(), runs=read_run)
         config = config.model_copy(update={"task": config.task.model_copy(update={"args": args})})
     except TaskLoadError:
         pass  # make_task says what is wrong with the name

@@ -5,10 +5,12 @@ them for as long as it lives, so a challenger may have been timed in a quiet mom
 the bigger its claim, the more it needs checking. Every result that would be the new best, whatever its
 margin, is held back (when the task's backend offers duels) while a worker times it and the best
 interleaved, on the same inputs, under the timing lock. The duel's ratio
-decides: a challenger faster side by side is crowned, its figure cut to where the ratio puts it when
-its claim says more (the claim was picked for being high; the ratio is a second measurement, side by
-side). That cut compares ``vs_reference``, not raw fitness: the machine's speed drifts between the two
-evaluations, and ``vs_reference`` was measured beside the reference each time. One that is not faster
+decides: a challenger faster side by side is crowned, at the geometric mean of its claim and where
+the ratio puts it (the best's figure times the ratio): two measurements, each confirmed, neither
+trusted alone. Taking the lower of the two would under-rate every winner (the minimum of two noisy
+figures is biased low), taking the claim alone would keep a lucky moment. The two are compared on
+``vs_reference``, not raw fitness: the machine's speed drifts between the two evaluations, and
+``vs_reference`` was measured beside the reference each time. One that is not faster
 gets the best's fitness times the ratio (below the best, where the side-by-side timing puts it); one
 that fails its re-check, or gets no verdict, is not crowned either (:func:`settle`). The candidate's result is
 recorded once, after the duel: a run killed mid-duel re-evaluates it on resume; one stopped by its
@@ -17,6 +19,7 @@ budget records it capped at the best.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from runtime.result import EvalResult, Status
@@ -38,10 +41,10 @@ def settle(result: EvalResult, duel: EvalResult | None, rival_id: str, rival_fit
     """The challenger's result once its duel is over (``duel``: the duel evaluation's result, ``None`` when
     the run stopped before it came back). Only a challenger faster side by side is crowned:
 
-    - won (ratio > 1, fitness within any budget): its fitness times ``min(1, rival_vs_reference * ratio /
-      its vs_reference)`` (raw fitness in place of ``vs_reference`` where either is missing), and never
-      below ``rival_fitness * ratio``; ``vs_reference`` scaled with it. A figure measured in a lucky
-      moment is not what the run crowns;
+    - won (ratio > 1, fitness within any budget): its fitness times ``sqrt(rival_vs_reference * ratio /
+      its vs_reference)`` (raw fitness in place of ``vs_reference`` where either is missing), or
+      ``rival_fitness * ratio`` where that would not rank it above the best; ``vs_reference`` scaled with
+      it. A figure measured in a lucky (or an unlucky) moment is not what the run crowns;
     - lost (ratio <= 1, or over the engine's p99 budget in the duel): fitness ``rival_fitness * ratio``;
     - the challenger broke a rule when checked again (``wrong``, ``invalid``): the duel's failure is its result;
     - no verdict (the duel crashed, timed out, or never ran): capped at ``rival_fitness``, not crowned.
@@ -62,11 +65,13 @@ def settle(result: EvalResult, duel: EvalResult | None, rival_id: str, rival_fit
         return _capped(result, rival_fitness * min(ratio, 1.0), note)
     claim = result.metrics.get("vs_reference")
     if isinstance(claim, (int, float)) and claim > 0 and rival_vs_reference:
-        factor = min(1.0, rival_vs_reference * ratio / claim)
+        factor = math.sqrt(rival_vs_reference * ratio / claim)
     else:
-        factor = min(1.0, rival_fitness * ratio / result.fitness)
-    fitness = min(result.fitness, max(result.fitness * factor, rival_fitness * ratio))
-    if fitness >= result.fitness:
+        factor = math.sqrt(rival_fitness * ratio / result.fitness)
+    fitness = result.fitness * factor
+    if fitness <= rival_fitness:  # the machine drifted: the winner still ranks above the best, by the ratio
+        fitness = rival_fitness * ratio
+    if fitness == result.fitness:
         return replace(result, metrics={**result.metrics, "duel": note})
     return _capped(result, fitness, note)
 

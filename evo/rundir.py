@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from archive import LAYOUT_KEY, Archive, CVTArchive, GridArchive, Store, StoreError, load_archive, save_layout
+from archive import LAYOUT_KEY, Archive, CVTArchive, GridArchive, RunView, Store, StoreError, load_archive, save_layout
 from evo.config import ExecutionConfig, RunConfig, dump_config, parse_config
 from evo.errors import UserError
 from runtime import Task
@@ -44,23 +44,27 @@ class RunDir:
 
     @classmethod
     def open(cls, path: Path, *, readonly: bool = False) -> RunDir:
+        """The run in ``path``: to continue it, or (``readonly``) to read it through its :class:`RunView`."""
         if not (path / DB_NAME).is_file():
             raise UserError(f"no run in {path} (expected {path / DB_NAME}): check the path, or start one with evo run")
         try:
-            store = Store(path / DB_NAME, readonly=readonly)
+            store = RunView(path).store if readonly else Store(path / DB_NAME)
         except StoreError as exc:
             raise UserError(str(exc)) from None
         return cls(path, store)
 
+    def view(self) -> RunView:
+        """What the run holds, read through the one run view (on this run's own store)."""
+        try:
+            return RunView(self.path, store=self.store)
+        except StoreError as exc:
+            raise UserError(str(exc)) from None
+
     def frozen_config(self) -> RunConfig:
         """The config the run was started with (its user task module path restored onto sys.path)."""
-        for p in json.loads(self.store.get_meta("sys_path") or "[]"):
-            if p not in sys.path:
-                sys.path.append(p)
-        text = self.store.get_meta("config")
-        if text is None:
-            raise UserError(f"{self.path / DB_NAME} has no stored config: it was not written by evo run")
-        return parse_config(yaml.safe_load(text), source=f"{self.path / DB_NAME} (stored config)")
+        view = self.view()
+        view.import_paths()
+        return parse_config(yaml.safe_load(view.config_text), source=f"{self.path / DB_NAME} (stored config)")
 
     def make_pool(self, workers: int, execution: ExecutionConfig | None = None, cc: str = "cc",
                   backend: str = "") -> object:  # fmt: skip

@@ -304,3 +304,6 @@ class Search:
         qd = self._qd()
         self.store.add_qd_snapshot(evals=self._evaluated, elapsed_s=elapsed, coverage=qd["coverage"],
                                    qd_score=qd["qd_score"], best=qd["best"], mean=qd["mean"])
+        if self.proposer.bandit is not None:
+            self.store.add_bandit_weights(evals=self._evaluated, elapsed_s=elapsed,
+                                          weights=self.proposer.bandit.shares())

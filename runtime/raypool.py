@@ -8,10 +8,10 @@ one host share it, so timing stays serialised per physical machine). Ray places 
 request goes to the node with the most free slots, and a duel is one request, so both contestants run
 side by side on one node.
 
-What travels: the request, the source files of a user's task module (the driver reads them; the node
-writes them into a directory of its own and imports from there), and for an engine task a snapshot of
-each kernel run it offers elites of (the run's store, which the node reads in place of the driver's
-path): no path of the driver's disk is needed on a node. Each node evaluates one engine at a time
+What travels: the request, and the source files of a user's task module (the driver reads them; the
+node writes them into a directory of its own and imports from there). An engine task's kernels travel
+inside its arguments (read from their runs when the task was resolved): no path of the driver's disk is
+needed on a node. Each node evaluates one engine at a time
 (``workers_per_node`` defaults to 1 for engine tasks): its load test wants the machine. A node's
 environment is scrubbed when its actor starts (Ray workers inherit the environment of whoever started
 the node), so no API key reaches a node.
@@ -146,9 +146,8 @@ class NodeEvaluator:
                 if fut is not None:
                     fut.set_result(got[1])
 
-    def _localize(self, request: EvalRequest, modules: dict[str, str], runs: dict[str, bytes]) -> EvalRequest:
-        """The request with this node's compile cache (one per driver cache), the shipped module files, and
-        the shipped run directories (an engine task's kernel runs) in place of the driver's paths."""
+    def _localize(self, request: EvalRequest, modules: dict[str, str]) -> EvalRequest:
+        """The request with this node's compile cache (one per driver cache) and the shipped module files."""
         cache = os.path.join(self.home, "cache", hashlib.sha256(request.cache_dir.encode()).hexdigest()[:16])
         sys_path: tuple[str, ...] = ()
         if modules:
@@ -161,25 +160,12 @@ class NodeEvaluator:
                     with open(path, "w") as f:
                         f.write(text)
             sys_path = (root,)
-        task = request.task
-        if runs:
-            here = {}
-            for driver_dir, db in runs.items():
-                local = os.path.join(self.home, "runs", hashlib.sha256(driver_dir.encode() + db).hexdigest()[:16])
-                if not os.path.exists(os.path.join(local, "archive.db")):
-                    os.makedirs(local, exist_ok=True)
-                    with open(os.path.join(local, "archive.db.tmp"), "wb") as f:
-                        f.write(db)
-                    os.replace(os.path.join(local, "archive.db.tmp"), os.path.join(local, "archive.db"))
-                here[driver_dir] = local
-            task = task.model_copy(update={"args": _with_run_dirs(task.args, here)})
-        return dataclasses.replace(request, cache_dir=cache, sys_path=sys_path, task=task)
+        return dataclasses.replace(request, cache_dir=cache, sys_path=sys_path)
 
-    def evaluate(self, request: EvalRequest, modules: dict[str, str], runs: dict[str, bytes] | None = None,
-                 ) -> EvalResult:  # fmt: skip
+    def evaluate(self, request: EvalRequest, modules: dict[str, str]) -> EvalResult:
         """Evaluates ``request`` in this node's pool (one of the actor's threads waits on it); the result says
         which node measured it."""
-        local = self._localize(request, modules, runs or {})
+        local = self._localize(request, modules)
         key = f"{request.key}@{next(self._seq)}"
         fut: concurrent.futures.Future[EvalResult] = concurrent.futures.Future()
         self._waiting[key] = fut
@@ -199,52 +185,10 @@ class NodeEvaluator:
 # --- the driver ------------------------------------------------------------------------------------------
 
 
-def _kernel_run_dirs(args: Any) -> list[str]:
-    """The run directories an engine task's ``kernels`` argument names (slot -> a run, or a list of runs)."""
-    kernels = args.get("kernels") if isinstance(args, dict) else None
-    if not isinstance(kernels, dict):
-        return []
-    runs = [kr for v in kernels.values() for kr in (v if isinstance(v, list) else [v])]
-    return [kr["run_dir"] for kr in runs if isinstance(kr, dict) and isinstance(kr.get("run_dir"), str)]
-
-
-def _with_run_dirs(args: dict[str, Any], here: dict[str, str]) -> dict[str, Any]:
-    """``args`` with each kernel run's ``run_dir`` replaced by its copy on this node."""
-
-    def moved(kr: Any) -> Any:
-        if isinstance(kr, list):
-            return [moved(k) for k in kr]
-        if isinstance(kr, dict) and kr.get("run_dir") in here:
-            return {**kr, "run_dir": here[kr["run_dir"]]}
-        return kr
-
-    return {**args, "kernels": {slot: moved(v) for slot, v in args.get("kernels", {}).items()}}
-
-
-def _snapshot(run_dir: str) -> bytes | None:
-    """A consistent copy of a run's store (its write-ahead log included), as bytes; ``None`` without one."""
-    import sqlite3
-    from urllib.parse import quote
-
-    db = os.path.join(run_dir, "archive.db")
-    if not os.path.isfile(db):
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        copy = os.path.join(tmp, "archive.db")
-        con = sqlite3.connect(f"file:{quote(os.path.abspath(db))}?mode=ro", uri=True)
-        try:
-            con.execute("VACUUM INTO ?", (copy,))
-        finally:
-            con.close()
-        with open(copy, "rb") as f:
-            return f.read()
-
-
 @dataclasses.dataclass
 class _Job:
     request: EvalRequest
     modules: dict[str, str]
-    runs: dict[str, bytes] = dataclasses.field(default_factory=dict)
     attempts: int = 0
     lost_on: list[str] = dataclasses.field(default_factory=list)
 
@@ -296,7 +240,6 @@ class RayPool:
         self._queue: collections.deque[_Job] = collections.deque()
         self._ready: collections.deque[Any] = collections.deque()  # refs found done, not returned yet
         self._modules: dict[str, dict[str, str]] = {}
-        self._runs: dict[str, bytes | None] = {}
         self._last_discovery = 0.0
         self._closed = False
         try:
@@ -399,17 +342,6 @@ class RayPool:
             self._modules[module] = files
         return self._modules[module]
 
-    def _runs_for(self, request: EvalRequest) -> dict[str, bytes]:
-        """Snapshots of the run directories an engine task reads its kernels from (read once per run: the
-        task froze the elites it offers, so a later change of that run is not wanted anyway)."""
-        out = {}
-        for run_dir in _kernel_run_dirs(request.task.args):
-            if run_dir not in self._runs:
-                self._runs[run_dir] = _snapshot(run_dir)
-            if self._runs[run_dir] is not None:
-                out[run_dir] = self._runs[run_dir]
-        return out
-
     def submit(self, request: EvalRequest) -> None:
         """Queues ``request``; raises here, in the driver, when the task's backend does not offer its stage."""
         from runtime.pool import request_backend
@@ -419,7 +351,7 @@ class RayPool:
         backend = request_backend(request)
         if backend is not None:
             backend.require(request.stages)
-        self._queue.append(_Job(request, self._modules_for(request), self._runs_for(request)))
+        self._queue.append(_Job(request, self._modules_for(request)))
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -428,7 +360,7 @@ class RayPool:
             if node.free <= 0:
                 return
             job = self._queue.popleft()
-            ref = node.actor.evaluate.remote(job.request, job.modules, job.runs)
+            ref = node.actor.evaluate.remote(job.request, job.modules)
             node.free -= 1
             self._refs[ref] = (job, nid)
 

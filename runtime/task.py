@@ -26,6 +26,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from genome import Genome, ParamSpace, render_source
+from runtime.runs import OpenRun
 
 __all__ = [
     "BUILTIN_TASKS", "VALUE_KINDS", "Case", "Descriptor", "KernelTask", "Task", "TaskArgs", "TaskLoadError",
@@ -75,9 +76,10 @@ class Task(abc.ABC):
         self.args = self.Args.model_validate(dict(args or {}))
 
     @classmethod
-    def resolve_args(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
+    def resolve_args(cls, args: Mapping[str, Any], cwd: str, runs: OpenRun | None = None) -> dict[str, Any]:
         """``args`` as a run stores them: file paths made absolute against ``cwd`` (workers run in their own
-        directories), anything read from elsewhere frozen (a resumed run sees what the run started with).
+        directories), anything read from elsewhere frozen (a resumed run sees what the run started with);
+        ``runs`` opens other runs a task reads from (an engine task's kernel runs).
         The default task takes neither: ``args`` unchanged."""
         return dict(args)
 

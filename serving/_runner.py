@@ -126,7 +126,8 @@ class EngineHost:
         The engine's kernels run in a host process of their own (:func:`runtime.engine.hosted.spawn_host`),
         started from a fresh interpreter whose environment holds no key: nothing of this process's memory
         is in it. Tokenising, batching and the timings stay here."""
-        from runtime.engine import EngineConfig, elite_task, load_model
+        from archive import read_run
+        from runtime.engine import EngineConfig, RunNotFound, elite_task, load_model
         from runtime.engine.hosted import spawn_host
         from serving._runs import resolve_engine_elite
 
@@ -136,8 +137,13 @@ class EngineHost:
         if eid is None:
             config, spec = EngineConfig(), {}
         else:
-            config = elite_task(self.run_dir, eid, model=self.model)[1]
-            spec = {"run_dir": str(self.run_dir), "elite": eid}
+            try:
+                with read_run(self.run_dir) as run:
+                    task, config, compiler, cache_dir = elite_task(run, eid, runs=read_run, model=self.model)
+            except RunNotFound as exc:
+                raise ServeError(str(exc)) from None
+            spec = {"task": {"name": task.name, "args": task.args.model_dump(mode="json")},
+                    "compiler": compiler.model_dump(mode="json"), "cache_dir": cache_dir}
         engine = spawn_host(self.model, config, {**spec, "model_dir": str(self.model.path)})
         runner = EngineRunner(engine, Served(eid, str(self.run_dir), note), self.metrics)
         try:

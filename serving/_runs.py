@@ -1,4 +1,5 @@
-"""Read-only views of the served run directory (archive.Store): its task, its engine elites, its kernels."""
+"""What serving reads of the served run directory, through the one read-only run view (archive.RunView):
+its task, its engine elites, its kernels."""
 
 from __future__ import annotations
 
@@ -8,30 +9,34 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from archive import Store, StoreError
+from archive import RunView, Store, StoreError
 
 __all__ = [
-    "ID_PATTERN", "candidate", "is_engine_run", "open_store", "resolve_engine_elite", "run_task", "stored_config",
+    "ID_PATTERN", "candidate", "is_engine_run", "open_run", "open_store", "resolve_engine_elite", "run_task",
+    "stored_config",
 ]
 
 ID_PATTERN = re.compile(r"^[0-9a-fA-F]{1,64}$")  # a candidate id or prefix: hex only, never a path
 
 
 @contextmanager
-def open_store(run_dir: Path) -> Iterator[Store]:
-    """The run's store, read-only (one per call: sqlite connections stay in their thread)."""
+def open_run(run_dir: Path) -> Iterator[RunView]:
+    """The run, read-only (one view per call: sqlite connections stay in their thread)."""
     from serving._runner import ServeError
 
     try:
-        store = Store(run_dir, readonly=True)
+        view = RunView(run_dir)
     except StoreError as exc:
-        raise ServeError(f"{run_dir}: {exc} (give the directory of an evo run)") from None
-    try:
-        yield store
-    finally:
-        store.close()
+        raise ServeError(f"{exc} (give the directory of an evo run)") from None
+    with view:
+        yield view
+
+
+@contextmanager
+def open_store(run_dir: Path) -> Iterator[Store]:
+    """The run's store, read-only."""
+    with open_run(run_dir) as view:
+        yield view.store
 
 
 def candidate(store: Store, cid: str) -> Any:
@@ -49,13 +54,8 @@ def candidate(store: Store, cid: str) -> Any:
 
 def stored_config(run_dir: Path) -> dict[str, Any]:
     """The run's frozen config as a dict."""
-    from serving._runner import ServeError
-
-    with open_store(run_dir) as store:
-        text = store.get_meta("config")
-    if not text:
-        raise ServeError(f"{run_dir} has no stored config: it was not written by evo run")
-    return dict(yaml.safe_load(text))
+    with open_run(run_dir) as view:
+        return dict(view.config)
 
 
 def run_task(run_dir: Path) -> str:

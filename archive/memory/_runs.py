@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from archive._errors import StoreError
-from archive._query import rebuild_archive
-from archive._store import Store
+from archive._view import RunView
 from archive.memory._db import MemoryStoreError
 from archive.memory._entry import MemoryEntry, summary_text
 from runtime.task import TaskLoadError, load_task_class
@@ -36,27 +31,21 @@ def entries_from_run(run_dir: str | os.PathLike[str]) -> list[MemoryEntry]:
     hardware each elite was measured on)."""
     path = Path(run_dir)
     try:
-        store = Store(path, readonly=True)
+        view = RunView(path)
     except StoreError as exc:
         raise MemoryStoreError(f"{path}: not a run directory ({exc})") from None
-    with store:
-        text = store.get_meta("config")
-        if text is None:
-            raise MemoryStoreError(f"{path}: the run stores no config (it was not written by evo run)")
-        for p in json.loads(store.get_meta("sys_path") or "[]"):  # a user's task module beside its config
-            if p not in sys.path:
-                sys.path.append(p)
-        spec = (yaml.safe_load(text) or {}).get("task") or {}
-        task = str(spec.get("name", "?"))
-        task_args, signature, backend, description = _task_info(task, spec.get("args") or {})
+    with view:
+        view.import_paths()  # a user's task module beside its config
+        task = view.task_name
+        task_args, signature, backend, description = _task_info(task, view.task_args)
         try:
-            elites = rebuild_archive(store).elites()
+            elites = view.archive().elites()
         except StoreError as exc:
             raise MemoryStoreError(f"{path}: {exc}") from None
         run = str(path.resolve())
         out = []
-        for cand in store.get_many([e.id for e in elites]):
-            hardware = store.hardware(cand.hardware_id) if cand.hardware_id else None
+        for cand in view.store.get_many([e.id for e in elites]):
+            hardware = view.store.hardware(cand.hardware_id) if cand.hardware_id else None
             vs = cand.metrics.get("vs_reference")
             vs = float(vs) if vs is not None else None
             summary = summary_text(task=task, task_args=task_args, genome=cand.genome, hardware=hardware,

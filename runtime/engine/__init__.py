@@ -15,8 +15,9 @@ from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.load import LoadResult, closed_loop
 from runtime.engine.model import Model, ModelConfig, Precision, load_model
 from runtime.engine.ops import SLOT_TASKS, SLOTS, Ops, c_slot, numpy_ops
-from runtime.engine.runs import KernelSource, RunNotFound, StoredRun, build_ops
+from runtime.engine.runs import KernelSource, build_ops
 from runtime.engine.scheduler import Batcher, BatcherClosed, QueueFull
+from runtime.runs import OpenRun, RunNotFound, RunReader
 
 if TYPE_CHECKING:
     from runtime.engine.task import EngineTask
@@ -37,7 +38,6 @@ __all__ = [
     "Precision",
     "QueueFull",
     "RunNotFound",
-    "StoredRun",
     "build_ops",
     "c_slot",
     "closed_loop",
@@ -49,38 +49,44 @@ __all__ = [
 
 
 def elite_task(
-    run_dir: str | Path, candidate_id: str, *, model: Model | None = None, overrides: Mapping[str, Any] | None = None
+    run: RunReader, candidate_id: str, *, runs: OpenRun | None = None, model: Model | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> tuple[EngineTask, EngineConfig, CompilerSettings, str]:
     """The task, engine configuration, compiler and compile cache (the run's) of candidate ``candidate_id`` (or
-    a unique prefix) of an ``engine`` run. Raises :class:`RunNotFound` for a missing run or candidate,
-    ValueError when the run is not an engine run or an override is not a valid setting."""
+    a unique prefix) of the ``engine`` run ``run`` (``archive.read_run(dir)``). The kernels it offers
+    travel in its stored arguments; ``runs`` reads them from their runs where an older run's arguments lack
+    them. Raises :class:`RunNotFound` for a missing candidate, ValueError when the run is not an engine run
+    or an override is not a valid setting."""
     from runtime.engine.task import EngineTask
+    from runtime.settings import CompilerSettings
     from runtime.task import load_task_class
 
-    run = StoredRun(run_dir)
-    cls = load_task_class(run.task.name)
+    cls = load_task_class(run.task_name)
     if not issubclass(cls, EngineTask):
-        raise ValueError(f"{run.path} is a {run.task.name!r} run, not an engine run")
-    task = cls(run.task.args)
+        raise ValueError(f"{run.path} is a {run.task_name!r} run, not an engine run")
+    task = cls(cls.resolve_args(run.task_args, str(run.path), runs=runs))
     if model is not None:
         task.share_model(model)
-    cand = run.candidate(candidate_id)
-    run.cache_dir.mkdir(exist_ok=True)
+    cand = run.stored(candidate_id)
+    cache_dir = Path(run.path) / "cache"
+    cache_dir.mkdir(exist_ok=True)
     config = task.engine_config(cand.genome)
     if overrides:
         config = EngineConfig.model_validate({**config.model_dump(), **overrides})
-    return task, config, run.compiler, str(run.cache_dir)
+    compiler = CompilerSettings.model_validate((run.config.get("evaluation") or {}).get("compiler") or {})
+    return task, config, compiler, str(cache_dir)
 
 
 def load_elite(
-    run_dir: str | Path, candidate_id: str, *, model: Model | None = None, overrides: Mapping[str, Any] | None = None
+    run: RunReader, candidate_id: str, *, runs: OpenRun | None = None, model: Model | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> Engine:
-    """The engine of candidate ``candidate_id`` (or a unique prefix) of an ``engine`` run, ready to start, in
-    this process (:func:`runtime.engine.hosted.spawn_host` builds one in a host process instead).
+    """The engine of candidate ``candidate_id`` (or a unique prefix) of the ``engine`` run ``run``, ready to
+    start, in this process (:func:`runtime.engine.hosted.spawn_host` builds one in a host process instead).
 
     Its kernels are compiled into (or found in) the run's compile cache. Pass ``model`` to share
     already loaded weights, ``overrides`` to change fields of its :class:`EngineConfig` (e.g.
     ``{"worker_kind": "process"}``). Raises as :func:`elite_task` does.
     """
-    task, config, compiler, cache_dir = elite_task(run_dir, candidate_id, model=model, overrides=overrides)
+    task, config, compiler, cache_dir = elite_task(run, candidate_id, runs=runs, model=model, overrides=overrides)
     return task.build(config, compiler=compiler, cache_dir=cache_dir)

@@ -243,33 +243,39 @@ def _ended(pid: int, ended: dict[int, int]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m runtime.engine.host FD SPEC``: builds the engine SPEC (JSON: ``run_dir`` and ``elite``, or
-    neither for the default engine) and answers on descriptor FD."""
-    from runtime.engine import elite_task
+    """``python -m runtime.engine.host FD`` with a JSON spec on stdin: builds the engine it describes and
+    answers on descriptor FD. The spec holds ``config`` (an :class:`EngineConfig`), ``model_dir``, and for
+    evolved kernels ``task`` (the engine task's name and resolved args: the kernels travel in them),
+    ``compiler`` and ``cache_dir``. Nothing is read from a run."""
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.engine.model import load_model
     from runtime.engine.ops import numpy_ops
     from runtime.host import compiled_filters, make_undumpable
+    from runtime.settings import CompilerSettings
+    from runtime.task import load_task_class
 
-    conn_fd, spec = int(argv[0]), json.loads(argv[1])
+    conn_fd, spec = int(argv[0]), json.loads(sys.stdin.read())
     make_undumpable()
     # Not PDEATHSIG: it fires when the thread that started this process ends (a server builds engines in
     # short-lived threads). The socket closing when the server dies ends this host just as well.
     model = load_model(spec.get("model_dir"))
+    config = EngineConfig.model_validate(spec.get("config") or {})
     build: Callable[[], Engine]
-    if spec.get("elite"):
-        task, config, compiler, cache_dir = elite_task(spec["run_dir"], spec["elite"], model=model,
-                                                       overrides=spec.get("overrides"))  # fmt: skip
+    if spec.get("task"):
+        task = load_task_class(spec["task"]["name"])(spec["task"]["args"])
+        task.share_model(model)  # type: ignore[attr-defined]
+        compiler = CompilerSettings.model_validate(spec.get("compiler") or {})
+        cache_dir = spec["cache_dir"]
         try:
-            task.compile_kernels(config, compiler=compiler, cache_dir=cache_dir)  # before the filter: no exec after
-        except Exception:  # noqa: BLE001 - reported as the build's failure
+            task.compile_kernels(config, compiler=compiler, cache_dir=cache_dir)  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - reported as the build's failure; before the filter: no exec after
             error = traceback.format_exc()[-4000:]
             with contextlib.closing(socket.socket(fileno=conn_fd)) as sock:
                 write_frame(sock, b"E", error.encode())
             return 0
-        build = lambda: task.build(config, compiler=compiler, cache_dir=cache_dir)  # noqa: E731
+        build = lambda: task.build(config, compiler=compiler, cache_dir=cache_dir)  # type: ignore[attr-defined]  # noqa: E731
     else:
-        build = lambda: Engine(model, numpy_ops(), EngineConfig.model_validate(spec.get("overrides") or {}))  # noqa: E731
+        build = lambda: Engine(model, numpy_ops(), config)  # noqa: E731
     _host_main(conn_fd, None, build, compiled_filters(), set())
     return 0
 

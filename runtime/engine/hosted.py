@@ -414,8 +414,8 @@ class EngineTemplate:
 
 def spawn_host(model: Model, config: EngineConfig, spec: Mapping[str, Any],
                env: Mapping[str, str] | None = None) -> HostedEngine:  # fmt: skip
-    """A host started from a fresh interpreter building ``spec`` (:func:`runtime.engine.host.main`), whose
-    configuration is ``config``. Its environment is ``env`` (default: this process's ``PATH``, ``HOME``,
+    """A host started from a fresh interpreter building ``spec`` (:func:`runtime.engine.host.main`; its
+    ``config`` is set from ``config``). Its environment is ``env`` (default: this process's ``PATH``, ``HOME``,
     locale, ``PYTHONPATH``, offline and thread settings, nothing else: no key)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     if env is None:
@@ -424,12 +424,17 @@ def spawn_host(model: Model, config: EngineConfig, spec: Mapping[str, Any],
                or k.endswith("_NUM_THREADS")}  # fmt: skip
     try:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "runtime.engine.host", str(theirs.fileno()),
-             json.dumps(dict(spec))],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=dict(env),
+            [sys.executable, "-m", "runtime.engine.host", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.PIPE, env=dict(env),
         )  # fmt: skip
     finally:
         theirs.close()
+    try:  # the spec on stdin: an engine task's arguments carry its kernels' sources, too long for argv
+        assert popen.stdin is not None
+        with popen.stdin:
+            popen.stdin.write(json.dumps({**spec, "config": config.model_dump(mode="json")}).encode())
+    except BrokenPipeError:
+        pass  # the host died at once: ready() below reports it
     process = EngineProcess(popen.pid, ours, popen=popen)
     try:
         process.ready()

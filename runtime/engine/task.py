@@ -23,7 +23,8 @@ from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param, SpaceEr
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.model import Model, Precision
 from runtime.engine.ops import SLOTS, numpy_ops
-from runtime.engine.runs import KernelSource, RunNotFound, StoredRun, build_ops, compile_kernels
+from runtime.engine.runs import KernelSource, RunNotFound, build_ops, compile_kernels, kernel_offer
+from runtime.runs import OpenRun
 from runtime.settings import CompilerSettings
 from runtime.task import Descriptor, Task, TaskArgs
 
@@ -32,8 +33,21 @@ __all__ = ["EngineArgs", "EngineTask", "KernelRun"]
 log = logging.getLogger(__name__)
 
 
+class OfferedKernel(BaseModel):
+    """A kernel elite a run offers, as read when the task was resolved: what the engine compiles."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str
+    flags: list[str] = Field(default_factory=list)
+    task: str = ""
+
+
 class KernelRun(BaseModel):
-    """Where a slot's kernel choices come from: the ``top`` elites of a kernel run (or the listed ``ids``)."""
+    """Where a slot's kernel choices come from: the ``top`` elites of a kernel run (or the listed ``ids``).
+
+    ``offered`` and ``unreadable`` are filled when the task is resolved (:meth:`EngineTask.resolve_args`),
+    not written by hand: the elites the run offered then, or why it could not be read."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -42,6 +56,8 @@ class KernelRun(BaseModel):
     ids: list[str] | None = Field(None, description="offer exactly these elite ids instead of the top ones")
     optional: bool = Field(False, description="no such run (or no ok elite in it) leaves the slot to numpy "
                            "instead of being an error")
+    offered: dict[str, OfferedKernel] | None = Field(None, description="elite id -> its kernel, as read")
+    unreadable: str | None = Field(None, description="why the run could not be read when the task was resolved")
 
     @field_validator("run_dir")
     @classmethod
@@ -99,24 +115,23 @@ class EngineTask(Task):
         self._model: Model | None = None
         self._texts: list[str] | None = None
         self._reference: np.ndarray | None = None
-        self._sources: dict[tuple[str, str], KernelSource] = {}
-        self._runs: dict[tuple[str, str], str] = {}  # (slot, offered id) -> its kernel run
-
     @classmethod
-    def resolve_args(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
-        """The kernel runs' and the model's directories made absolute against ``cwd``, and each kernel run's
-        ``top`` elites frozen into its ``ids`` (a resumed run, or a worker started later, offers the same
-        kernels even when that kernel run went on evolving)."""
+    def resolve_args(cls, args: Mapping[str, Any], cwd: str, runs: OpenRun | None = None) -> dict[str, Any]:
+        """The kernel runs' and the model's directories made absolute against ``cwd``; with ``runs`` (what
+        opens a run: ``archive.read_run``), each kernel run read once: its ``top`` elites frozen into its
+        ``ids`` and their rendered sources into ``offered`` (a resumed run, a worker, a Ray node or a
+        server then offers exactly these kernels, without reading the run again, even when that kernel
+        run went on evolving), or why it could not be read into ``unreadable``."""
         out = dict(args)
 
-        def absolute(kr: Any) -> Any:
+        def absolute(kr: Any, slot: str) -> Any:
             if isinstance(kr, Mapping) and isinstance(kr.get("run_dir"), str):
-                return _frozen({**kr, "run_dir": os.path.join(cwd, kr["run_dir"])})
-            return [absolute(k) for k in kr] if isinstance(kr, list) else kr
+                return _read({**kr, "run_dir": os.path.join(cwd, kr["run_dir"])}, slot, runs)
+            return [absolute(k, slot) for k in kr] if isinstance(kr, list) else kr
 
         kernels = out.get("kernels")
         if isinstance(kernels, Mapping):
-            out["kernels"] = {slot: absolute(kr) for slot, kr in kernels.items()}
+            out["kernels"] = {slot: absolute(kr, slot) for slot, kr in kernels.items()}
         if isinstance(out.get("model_dir"), str):
             out["model_dir"] = os.path.join(cwd, out["model_dir"])
         return out
@@ -128,7 +143,7 @@ class EngineTask(Task):
         return max(1, min(self.args.threads, len(os.sched_getaffinity(0))))
 
     def kernel_choices(self) -> dict[str, list[str]]:
-        """Slot -> elite ids offered (read from the kernel runs once)."""
+        """Slot -> elite ids offered (unique prefixes, as the genome names them)."""
         if self._choices is None:
             choices = {}
             for slot in self.args.kernels:
@@ -136,21 +151,18 @@ class EngineTask(Task):
                     raise SpaceError(f"task.args.kernels: unknown slot {slot!r} (slots: {', '.join(SLOTS)})")
                 ids: list[str] = []
                 for kr in self.args.kernel_runs(slot):
-                    try:
-                        run = StoredRun(kr.run_dir)
-                        found = [run.candidate(i).id for i in kr.ids] if kr.ids else run.elite_ids(kr.top)
-                        if not found:
-                            raise RunNotFound(f"{kr.run_dir} has no ok candidate yet")
-                    except RunNotFound as exc:
+                    if not kr.offered:
+                        why = kr.unreadable or f"{kr.run_dir} was not read (the task's args were not resolved)"
                         if kr.optional:
-                            log.info("task.args.kernels.%s: %s: not offered", slot, exc)
+                            log.info("task.args.kernels.%s: %s: not offered", slot, why)
                             continue
-                        raise SpaceError(f"task.args.kernels.{slot}: {exc}: evolve the kernels first, "
-                                         f"or drop the slot (or mark it optional: true)") from None
-                    for cid in found:
+                        raise SpaceError(f"task.args.kernels.{slot}: {why}: evolve the kernels first, "
+                                         f"or drop the slot (or mark it optional: true)")
+                    for cid, kernel in kr.offered.items():
                         short = cid[:16]  # a unique prefix keeps params readable
                         if short not in ids:
-                            self._runs[(slot, short)] = kr.run_dir
+                            self._sources[(slot, short)] = KernelSource(slot, cid, kernel.source, tuple(kernel.flags),
+                                                                        kernel.task)  # fmt: skip
                             ids.append(short)
                 if ids:
                     choices[slot] = ids
@@ -251,24 +263,13 @@ class EngineTask(Task):
         """The fp32 numpy engine's embeddings of ``texts``, computed in this process."""
         return Engine(self.model(), numpy_ops(), EngineConfig()).embed(list(texts))
 
-    def _run_holding(self, slot: str, cid: str) -> str:
-        """The slot's kernel run that holds ``cid`` (an elite no longer among the top ones, say, since
-        that run went on evolving)."""
-        for kr in self.args.kernel_runs(slot):
-            try:
-                StoredRun(kr.run_dir).candidate(cid)
-            except RunNotFound:
-                continue
-            return kr.run_dir
-        raise RunNotFound(f"no kernel run of the {slot} slot holds a candidate {cid!r}")
-
     def _kernel_source(self, slot: str, cid: str) -> KernelSource:
-        key = (slot, cid)
-        if key not in self._sources:
-            self.kernel_choices()  # which run each offered id comes from
-            run_dir = self._runs.get(key) or self._run_holding(slot, cid)
-            self._sources[key] = StoredRun(run_dir).kernel_source(slot, cid)
-        return self._sources[key]
+        self.kernel_choices()
+        found = self._sources.get((slot, cid)) or next(
+            (k for (sl, _), k in self._sources.items() if sl == slot and k.id.startswith(cid)), None)
+        if found is None:
+            raise RunNotFound(f"no kernel run of the {slot} slot offers a kernel {cid!r}")
+        return found
 
     def kernel_sources(self, config: EngineConfig) -> dict[str, KernelSource]:
         """The source of each kernel ``config`` names, by slot."""
@@ -302,16 +303,25 @@ class EngineTask(Task):
         }
 
 
-def _frozen(kr: dict[str, Any]) -> dict[str, Any]:
-    """A kernel run entry with its ``top`` elites (read now) as explicit ``ids``; as given when it names
-    ids already, or its run cannot be read (the task's checks report that, or skip an optional run)."""
-    if kr.get("ids") is not None:
+def _read(kr: dict[str, Any], slot: str, runs: OpenRun | None) -> dict[str, Any]:
+    """A kernel run entry of ``slot`` with what the run offers read into it (as given when it was read
+    already, or when there is nothing to read it with)."""
+    if runs is None or kr.get("offered") is not None:
         return kr
     try:
-        ids = StoredRun(kr["run_dir"]).elite_ids(int(kr.get("top", KernelRun.model_fields["top"].default)))
-    except (RunNotFound, TypeError, ValueError):
-        return kr
-    return {**kr, "ids": ids} if ids else kr
+        run = runs(kr["run_dir"])
+        try:
+            ids = kr.get("ids")
+            offer = kernel_offer(run, slot, list(ids) if ids is not None else None,
+                                 int(kr.get("top", KernelRun.model_fields["top"].default)))  # fmt: skip
+        finally:
+            close = getattr(run, "close", None)
+            if close is not None:
+                close()
+    except (RunNotFound, ValueError, TypeError) as exc:
+        return {**{k: v for k, v in kr.items() if k != "unreadable"}, "unreadable": str(exc)}
+    return {**kr, "ids": [k.id for k in offer],
+            "offered": {k.id: {"source": k.source, "flags": list(k.flags), "task": k.task} for k in offer}}
 
 
 class FreshTexts(Sequence[str]):

@@ -94,8 +94,9 @@ def test_a_driver_killed_mid_run_resumes_on_the_cluster(cluster, tmp_path):
     assert done_before <= {r[0] for r in evaluated}
 
 
-def test_an_engine_search_on_the_cluster_reads_its_kernel_runs_from_a_snapshot(cluster, tmp_path):
-    """The kernel run lives on the driver's disk only; the nodes get a snapshot of its store."""
+def test_an_engine_search_on_the_cluster_gets_its_kernels_in_the_task(cluster, tmp_path):
+    """The kernel run lives on the driver's disk only; the nodes get its elites' sources in the task's
+    arguments, read when the driver resolved them."""
     ln = tmp_path / "ln.yaml"
     ln.write_text(yaml.safe_dump({
         "task": {"name": "layernorm", "args": {"rows": 64, "cols": 384}},

@@ -222,30 +222,3 @@ void kernel(int n, float a, float b, const float *x, float *y) {{
     pool.submit(req)
     result = _all(pool, 1)[req.key]
     assert result.status is Status.OK, result.error  # its socket was refused: its outputs stayed right
-
-
-def test_an_engine_tasks_kernel_runs_travel_as_snapshots_of_their_stores(tmp_path):
-    """What a node needs of an engine task's kernel runs: their stores, copied consistently (a running
-    run's write-ahead log included), and the task's run_dir entries pointed at the copies."""
-    import sqlite3
-
-    from runtime.raypool import _kernel_run_dirs, _snapshot, _with_run_dirs
-
-    args = {"threads": 1, "kernels": {"layernorm": {"run_dir": "/driver/ln", "top": 2},
-                                      "linear": [{"run_dir": "/driver/bf16"}, {"run_dir": "/driver/int8"}]}}
-    assert _kernel_run_dirs(args) == ["/driver/ln", "/driver/bf16", "/driver/int8"]
-    moved = _with_run_dirs(args, {"/driver/ln": "/node/1", "/driver/int8": "/node/3"})
-    assert moved["kernels"]["layernorm"] == {"run_dir": "/node/1", "top": 2}
-    assert [k["run_dir"] for k in moved["kernels"]["linear"]] == ["/driver/bf16", "/node/3"]
-    run = tmp_path / "run"
-    run.mkdir()
-    live = sqlite3.connect(run / "archive.db")
-    live.execute("PRAGMA journal_mode=WAL")
-    live.execute("CREATE TABLE t (x)")
-    live.execute("INSERT INTO t VALUES (42)")
-    live.commit()  # still in the write-ahead log: the connection stays open
-    copy = tmp_path / "copy.db"
-    copy.write_bytes(_snapshot(str(run)))
-    assert sqlite3.connect(copy).execute("SELECT x FROM t").fetchall() == [(42,)]
-    live.close()
-    assert _snapshot(str(tmp_path / "no-run")) is None

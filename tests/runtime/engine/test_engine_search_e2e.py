@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
+from archive import read_run
 from runtime.engine import Engine, EngineConfig, load_elite, numpy_ops
 
 pytestmark = pytest.mark.slow
@@ -64,6 +65,7 @@ def test_engine_search_runs_and_its_elite_loads_back(tmp_path, model, sentences)
     ln_run, not_yet = config.task.args["kernels"]["layernorm"]
     assert (ln_run["run_dir"], not_yet["run_dir"]) == (str(tmp_path / "ln"), str(tmp_path / "no-run-yet"))
     assert len(ln_run["ids"]) == 2 and "ids" not in not_yet  # the offered elites are frozen into the run
+    assert list(ln_run["offered"]) == ln_run["ids"] and "no run in" in not_yet["unreadable"]
     run_dir = tmp_path / "eng"
     proc = evo("run", str(eng_cfg), "--run-dir", str(run_dir), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -94,7 +96,8 @@ def test_engine_search_runs_and_its_elite_loads_back(tmp_path, model, sentences)
     assert with_kernel
     want = Engine(model, numpy_ops(), EngineConfig()).embed(sentences[:8])
     for cid in [ids[0], *with_kernel[:1]]:
-        engine = load_elite(run_dir, cid[:12], model=model)
+        with read_run(run_dir) as run:
+            engine = load_elite(run, cid[:12], model=model)
         try:
             assert engine.config.max_batch == best[ids.index(cid)]["params"]["max_batch"]
             assert set(engine.ops.kernels) == ({"layernorm"} if cid in with_kernel else set())

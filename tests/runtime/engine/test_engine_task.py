@@ -118,16 +118,54 @@ def test_a_genome_outside_the_engine_is_invalid(task, tmp_path):
 
 
 def test_a_missing_kernel_run_is_an_error_unless_optional(tmp_path):
+    from archive import read_run
     from genome import SpaceError
 
     missing = {"gelu": {"run_dir": str(tmp_path / "no-run")}}
-    with pytest.raises(SpaceError, match=r"kernels\.gelu: .*optional: true"):
+    resolved = EngineTask.resolve_args({**TINY, "kernels": missing}, str(tmp_path), runs=read_run)
+    assert "no run in" in resolved["kernels"]["gelu"]["unreadable"]
+    with pytest.raises(SpaceError, match=r"kernels\.gelu: no run in .*optional: true"):
+        EngineTask(resolved).space()
+    with pytest.raises(SpaceError, match=r"kernels\.gelu: .* was not read"):  # never resolved: says so
         EngineTask({**TINY, "kernels": missing}).space()
-    t = EngineTask({**TINY, "kernels": {"gelu": {**missing["gelu"], "optional": True}}})
+    optional = {"gelu": {**missing["gelu"], "optional": True}}
+    t = EngineTask(EngineTask.resolve_args({**TINY, "kernels": optional}, str(tmp_path), runs=read_run))
     assert "kernel_gelu" not in t.space().names() and "kernel_gelu" not in t.seeds()[0].params
 
 
-def test_relative_kernel_run_dirs_are_made_absolute():
+def test_a_kernel_run_is_read_once_into_the_args_it_travels_in(tmp_path):
+    """Resolving reads the top elites' sources into the args; a task built from them offers those kernels
+    with no run on disk (a worker, a Ray node or a server never reads a kernel run), and resolving again
+    keeps what was read (a resumed run offers the same kernels)."""
+    import shutil
+
+    from archive import Store, read_run
+    from runtime.result import EvalResult
+
+    run = tmp_path / "gelu-run"
+    run.mkdir()
+    store = Store(run)
+    store.set_meta("config", yaml.safe_dump({"task": {"name": "gelu", "args": {"rows": 4, "cols": 64}}}))
+    sources = [f"void kernel(const float *x, float *y, int rows, int cols) {{ /* {i} */ }}" for i in range(3)]
+    for i, source in enumerate(sources):
+        genome = Genome(params={}, source=source)
+        store.add_pending(genome=genome, operator="seed")
+        store.record_result(genome.id, EvalResult(status=Status.OK, fitness=float(i), unit="GB/s"))
+    store.close()
+    args = EngineTask.resolve_args({**TINY, "kernels": {"gelu": {"run_dir": "gelu-run", "top": 2}}}, str(tmp_path),
+                                   runs=read_run)  # fmt: skip
+    entry = args["kernels"]["gelu"]
+    assert entry["run_dir"] == str(run) and len(entry["ids"]) == 2
+    assert [o["source"] for o in entry["offered"].values()] == [sources[2], sources[1]]  # the fittest first
+    shutil.rmtree(run)
+    task = EngineTask(args)
+    assert task.kernel_choices() == {"gelu": [i[:16] for i in entry["ids"]]}
+    config = task.engine_config(Genome(params={**task.seeds()[-1].params}))
+    assert task.kernel_sources(config)["gelu"].source == sources[2]
+    assert EngineTask.resolve_args(args, str(tmp_path), runs=read_run) == args
+
+
+def test_relative_kernel_run_dirs_are_made_absolute():  # nothing to read them with: paths only
     args = EngineTask.resolve_args({"kernels": {"gelu": {"run_dir": "runs/g"}, "softmax": {"run_dir": "/abs/s"}},
                                       "model_dir": "m"}, "/work/here")
     assert args["kernels"] == {"gelu": {"run_dir": "/work/here/runs/g"}, "softmax": {"run_dir": "/abs/s"}}

@@ -1,0 +1,203 @@
+"""One read-only view of a run directory: what every reader of a run uses.
+
+The CLI's queries, the report, the dashboard, serving and the memory's importer read a run through
+:class:`RunView`. It opens the store read-only (SQLite in WAL mode: a reader never blocks the run's
+writer, and never writes), so it can watch a run that is still going.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+
+from archive._base import Archive
+from archive._candidate import Candidate
+from archive._errors import CandidateNotFoundError, StoreError
+from archive._query import rebuild_archive
+from archive._store import Store
+from runtime import runs as _runtime_runs
+
+__all__ = ["Objective", "RunNotFound", "RunView", "pareto_front", "read_run"]
+
+
+class RunNotFound(StoreError, _runtime_runs.RunNotFound):
+    """No run in the directory, or not one written by ``evo run`` (or no such candidate in it, for
+    :meth:`RunView.stored`)."""
+
+
+def read_run(path: str | os.PathLike[str]) -> RunView:
+    """The run in ``path`` for the runtime (a :class:`runtime.runs.RunReader`): any failure to read it is
+    :class:`RunNotFound`, with the reason."""
+    try:
+        return RunView(path)
+    except RunNotFound:
+        raise
+    except StoreError as exc:
+        raise RunNotFound(f"{path}: {exc}") from None
+
+
+class RunView:
+    """A run directory (``archive.db``, ``config.yaml``, ``cache/``, ``logs/``), read-only.
+
+    ``store``: the run's own store, already open (the run itself reading what it wrote); by default the
+    view opens one read-only, and closes it with itself."""
+
+    def __init__(self, path: str | os.PathLike[str], *, store: Store | None = None) -> None:
+        self.path = Path(path)
+        db = self.path / Store.FILENAME
+        if store is None and not db.is_file():
+            raise RunNotFound(f"no run in {self.path} (expected {db}): check the path, or start one with evo run")
+        self.store = store or Store(db, readonly=True)
+        text = self.store.get_meta("config")
+        if text is None:
+            if store is None:
+                self.store.close()
+            raise RunNotFound(f"{db} has no stored config: it was not written by evo run")
+        self.config_text = text
+        self.config: dict[str, Any] = yaml.safe_load(text) or {}
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> RunView:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:  # fmt: skip
+        self.close()
+
+    # -- what the run is ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return str(self.config.get("name") or self.path.name)
+
+    @property
+    def task_name(self) -> str:
+        return str((self.config.get("task") or {}).get("name", "?"))
+
+    @property
+    def task_args(self) -> dict[str, Any]:
+        return dict((self.config.get("task") or {}).get("args") or {})
+
+    def import_paths(self) -> None:
+        """Puts the directories the run imported its task from on ``sys.path`` (a user's task module beside its
+        config), so that the run's task can be loaded here."""
+        for p in json.loads(self.store.get_meta("sys_path") or "[]"):
+            if p not in sys.path:
+                sys.path.append(p)
+
+    # -- what it holds -----------------------------------------------------------------------------
+
+    def archive(self) -> Archive:
+        """The run's archive as it stands (its stored layout, the evaluated candidates replayed)."""
+        return rebuild_archive(self.store)
+
+    def get(self, cid: str) -> Candidate:
+        """The candidate with this id or unique prefix; :class:`CandidateNotFoundError` when none (an
+        ambiguous prefix raises :class:`AmbiguousIdError`)."""
+        found = self.store.get(cid)
+        if found is None:
+            raise CandidateNotFoundError(f"no candidate {cid!r} in {self.path} (list some with: evo archive best "
+                                         f"{self.path})")  # fmt: skip
+        return found
+
+    def best(self, k: int = 1) -> list[Candidate]:
+        return self.store.best(k)
+
+    def elite_ids(self, top: int) -> list[str]:
+        """Ids of the ``top`` fittest ok candidates, best first."""
+        return [c.id for c in self.store.best(top)]
+
+    def stored(self, cid: str) -> _runtime_runs.StoredCandidate:
+        """The candidate ``cid`` (id or unique prefix) as the runtime reads it; :class:`RunNotFound` if none."""
+        try:
+            c = self.get(cid)
+        except StoreError as exc:  # unknown, or an ambiguous prefix
+            raise RunNotFound(str(exc)) from None
+        return _runtime_runs.StoredCandidate(c.id, c.genome, str(c.status), c.fitness, dict(c.metrics))
+
+    def evaluated(self) -> Iterator[Candidate]:
+        return self.store.evaluated()
+
+    def path_to(self, cid: str) -> list[Candidate]:
+        """The chain from a seed to candidate ``cid``, seed first, following each step's first parent."""
+        chain = [self.get(cid)]
+        seen = {chain[0].id}
+        while chain[-1].parents:
+            parent = self.store.get_many([chain[-1].parents[0]])
+            if not parent or parent[0].id in seen:
+                break
+            seen.add(parent[0].id)
+            chain.append(parent[0])
+        return chain[::-1]
+
+    def marker(self) -> tuple[int, int, int]:
+        """Changes whenever the run records something: (candidates, last evaluation, QD snapshots)."""
+        conn = self.store._conn  # noqa: SLF001 - one aggregate query, owned by this package
+        row = conn.execute("SELECT COUNT(*), COALESCE(MAX(eval_seq), 0), (SELECT COUNT(*) FROM qd_history) "
+                           "FROM candidates").fetchone()  # fmt: skip
+        return int(row[0]), int(row[1]), int(row[2])
+
+    def pareto(self, objectives: Sequence[Objective]) -> list[Candidate]:
+        """The ok candidates no other ok candidate beats on every objective, best on the first one first."""
+        return pareto_front([c for c in self.evaluated() if str(c.status) == "ok"], objectives)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A metric to rank by (``fitness`` or a key of ``metrics``); ``maximise`` False: lower is better."""
+
+    metric: str
+    maximise: bool = True
+
+    @classmethod
+    def parse_list(cls, text: str) -> list[Objective]:
+        """``throughput,-p99_ms``: a leading ``-`` minimises. Raises ValueError on an empty list."""
+        out = []
+        for part in (p.strip() for p in text.split(",")):
+            if not part or part in ("-", "+"):
+                raise ValueError(f"objectives {text!r}: give metric names separated by commas, e.g. throughput,-p99_ms")
+            out.append(cls(part.lstrip("+-"), maximise=not part.startswith("-")))
+        return out
+
+    def raw(self, cand: Candidate) -> float | None:
+        """The candidate's value of the metric (``None`` when it has none)."""
+        raw = cand.fitness if self.metric == "fitness" else cand.metrics.get(self.metric)
+        if isinstance(raw, bool) or not isinstance(raw, int | float):
+            return None
+        return float(raw)
+
+    def value(self, cand: Candidate) -> float | None:
+        """The value to maximise: the metric's, negated when lower is better."""
+        raw = self.raw(cand)
+        return None if raw is None else raw if self.maximise else -raw
+
+    def __str__(self) -> str:
+        return self.metric if self.maximise else f"-{self.metric}"
+
+
+def pareto_front(cands: Sequence[Candidate], objectives: Sequence[Objective]) -> list[Candidate]:
+    """The non-dominated candidates among those that have every objective (maximised after the sign)."""
+    scored = []
+    for c in cands:
+        values = [o.value(c) for o in objectives]
+        if all(v is not None for v in values):
+            scored.append((tuple(values), c))
+    scored.sort(key=lambda s: s[0], reverse=True)
+    front: list[tuple[tuple[float, ...], Candidate]] = []
+    for values, c in scored:  # sorted: only an earlier one can dominate a later one
+        if not any(all(f >= v for f, v in zip(fv, values, strict=True)) and fv != values for fv, _ in front):
+            if not any(fv == values for fv, _ in front):
+                front.append((values, c))
+    return [c for _, c in front]
