@@ -115,6 +115,8 @@ class EngineTask(Task):
         self._model: Model | None = None
         self._texts: list[str] | None = None
         self._reference: np.ndarray | None = None
+        self._sources: dict[tuple[str, str], KernelSource] = {}  # (slot, offered id) -> its kernel
+
     @classmethod
     def resolve_args(cls, args: Mapping[str, Any], cwd: str, runs: OpenRun | None = None) -> dict[str, Any]:
         """The kernel runs' and the model's directories made absolute against ``cwd``; with ``runs`` (what

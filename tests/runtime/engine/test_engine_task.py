@@ -156,12 +156,13 @@ def test_a_kernel_run_is_read_once_into_the_args_it_travels_in(tmp_path):
                                    runs=read_run)  # fmt: skip
     entry = args["kernels"]["gelu"]
     assert entry["run_dir"] == str(run) and len(entry["ids"]) == 2
-    assert [o["source"] for o in entry["offered"].values()] == [sources[2], sources[1]]  # the fittest first
+    offered = [o["source"] for o in entry["offered"].values()]  # rendered: the fittest first
+    assert len(offered) == 2 and offered[0].endswith(sources[2]) and offered[1].endswith(sources[1])
     shutil.rmtree(run)
     task = EngineTask(args)
     assert task.kernel_choices() == {"gelu": [i[:16] for i in entry["ids"]]}
     config = task.engine_config(Genome(params={**task.seeds()[-1].params}))
-    assert task.kernel_sources(config)["gelu"].source == sources[2]
+    assert task.kernel_sources(config)["gelu"].source == offered[0]
     assert EngineTask.resolve_args(args, str(tmp_path), runs=read_run) == args
 
 
