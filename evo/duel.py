@@ -42,9 +42,11 @@ def settle(result: EvalResult, duel: EvalResult | None, rival_id: str, rival_fit
     the run stopped before it came back). Only a challenger faster side by side is crowned:
 
     - won (ratio > 1, fitness within any budget): its fitness times ``sqrt(rival_vs_reference * ratio /
-      its vs_reference)`` (raw fitness in place of ``vs_reference`` where either is missing), or
-      ``rival_fitness * ratio`` where that would not rank it above the best; ``vs_reference`` scaled with
-      it. A figure measured in a lucky (or an unlucky) moment is not what the run crowns;
+      its vs_reference)`` (raw fitness in place of ``vs_reference`` where either is missing), and
+      ``vs_reference`` scaled by as much; where that fitness would not rank it above the best (the
+      machine drifted between the two timings), its fitness is ``rival_fitness * ratio``, and its
+      ``vs_reference`` stays the estimate. A figure measured in a lucky (or an unlucky) moment is not what
+      the run crowns;
     - lost (ratio <= 1, or over the engine's p99 budget in the duel): fitness ``rival_fitness * ratio``;
     - the challenger broke a rule when checked again (``wrong``, ``invalid``): the duel's failure is its result;
     - no verdict (the duel crashed, timed out, or never ran): capped at ``rival_fitness``, not crowned.
@@ -69,11 +71,12 @@ def settle(result: EvalResult, duel: EvalResult | None, rival_id: str, rival_fit
     else:
         factor = math.sqrt(rival_fitness * ratio / result.fitness)
     fitness = result.fitness * factor
-    if fitness <= rival_fitness:  # the machine drifted: the winner still ranks above the best, by the ratio
-        fitness = rival_fitness * ratio
     if fitness == result.fitness:
         return replace(result, metrics={**result.metrics, "duel": note})
-    return _capped(result, fitness, note)
+    settled = _capped(result, fitness, note)
+    if fitness <= rival_fitness:  # the machine drifted: it still ranks above the best it beat, by the ratio
+        settled = replace(settled, fitness=rival_fitness * ratio)  # its vs_reference stays the estimate
+    return settled
 
 
 def _capped(result: EvalResult, fitness: float, note: dict[str, object]) -> EvalResult:

@@ -70,7 +70,8 @@ class RunDir:
                   backend: str = "") -> object:  # fmt: skip
         """The executor: a :class:`runtime.pool.LocalPool` of ``workers``, or a :class:`runtime.raypool.RayPool`
         over a Ray cluster (``execution.kind: ray``), whose slots are its nodes' (one per node for an engine
-        task, unless ``workers_per_node`` says otherwise: a load test wants the machine)."""
+        task, unless ``workers_per_node`` says otherwise, and the node's every CPU reserved: a load test
+        wants the machine; a CUDA task gets a node's GPUs, one slot each)."""
         if execution is not None and execution.kind == "ray":
             from runtime.raypool import ClusterUnavailable, MixedHardware, RayPool
 
@@ -78,7 +79,7 @@ class RunDir:
             try:
                 return RayPool(execution.address, workers_per_node=per_node,
                                fingerprints=execution.fingerprints, use_head=execution.use_head,
-                               cc=cc)  # fmt: skip
+                               cc=cc, whole_machine=backend == "engine", gpus=backend == "cuda")  # fmt: skip
             except (ClusterUnavailable, MixedHardware) as exc:
                 raise UserError(str(exc)) from None
         from runtime.pool import LocalPool

@@ -193,6 +193,18 @@ class _Job:
     lost_on: list[str] = dataclasses.field(default_factory=list)
 
 
+def node_reservation(resources: dict[str, float], *, workers_per_node: int | None, whole_machine: bool,
+                     gpus: bool) -> tuple[int, int]:  # fmt: skip
+    """``(CPUs, GPUs)`` an evaluator reserves on a node with these Ray ``resources`` (see :class:`RayPool`)."""
+    total_cpus = max(1, int(resources.get("CPU", 1)))
+    total_gpus = int(resources.get("GPU", 0))
+    if gpus:
+        return (1 if not whole_machine else total_cpus), total_gpus
+    if whole_machine:
+        return total_cpus, 0
+    return min(workers_per_node or total_cpus, total_cpus), 0
+
+
 @dataclasses.dataclass
 class _Node:
     actor: Any
@@ -203,14 +215,20 @@ class _Node:
 class RayPool:
     """Evaluates requests on every node of the Ray cluster at ``address`` (see the module docstring).
 
-    ``workers_per_node``: slots per node (default: the CPUs Ray gives the node); ``use_head``: evaluate on the
-    head node too (where the driver usually runs); ``evaluator``: the actor class (its ``describe``,
-    ``evaluate`` and ``close``; a benchmark's simulated evaluations). Raises
+    ``workers_per_node``: slots per node (default: the CPUs Ray gives the node, or its GPUs with ``gpus``);
+    ``use_head``: evaluate on the head node too (where the driver usually runs); ``evaluator``: the actor
+    class (its ``describe``, ``evaluate`` and ``close``; a benchmark's simulated evaluations).
+
+    What a node's evaluator reserves from Ray, so that Ray places nothing else on what it measures with:
+    a CPU per slot; every CPU of the node with ``whole_machine`` (an engine's load test wants the
+    machine); with ``gpus`` (a CUDA task), every GPU of the node, one slot per GPU, and a node without
+    a GPU is left out. Raises
     :class:`ClusterUnavailable` when the cluster cannot be reached or a node cannot compile, and
     :class:`MixedHardware` for nodes of different speed fingerprints under ``fingerprints="same"``."""
 
     def __init__(self, address: str | None = "auto", *, workers_per_node: int | None = None,
                  fingerprints: Fingerprints = "same", use_head: bool = True, cc: str = "cc",
+                 whole_machine: bool = False, gpus: bool = False, start_timeout_s: float = 120.0,
                  say: Callable[[str], None] | None = None, evaluator: type = NodeEvaluator) -> None:  # fmt: skip
         try:
             import ray
@@ -219,6 +237,7 @@ class RayPool:
         self._ray = ray
         self.fingerprints, self.cc, self.workers_per_node, self.use_head = fingerprints, cc, workers_per_node, use_head
         self._evaluator = evaluator
+        self.whole_machine, self.gpus, self.start_timeout_s = whole_machine, gpus, start_timeout_s
         self._say = say or (lambda line: print(f"evoforge: {line}", file=sys.stderr, flush=True))
         self._owns_ray = not ray.is_initialized()
         if not self._owns_ray and address not in (None, "auto", "local"):
@@ -275,17 +294,29 @@ class RayPool:
                 continue
             if not self.use_head and "node:__internal_head__" in node.get("Resources", {}):
                 continue
-            workers = self.workers_per_node or max(1, int(node.get("Resources", {}).get("CPU", 1)))
+            cpus, gpus = node_reservation(node.get("Resources", {}), workers_per_node=self.workers_per_node,
+                                          whole_machine=self.whole_machine, gpus=self.gpus)  # fmt: skip
+            if self.gpus and not gpus:
+                self._say(f"node {nid[:12]} left out: it has no GPU for this CUDA task")
+                self._lost.add(nid)
+                continue
+            workers = self.workers_per_node or (gpus if self.gpus else max(1, cpus))
             actor = evaluator.options(
-                num_cpus=0, max_restarts=0, max_concurrency=workers + 8,
+                num_cpus=cpus, num_gpus=gpus, max_restarts=0, max_concurrency=workers + 8,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
             ).remote(workers, self.cc)  # fmt: skip
             try:
-                info = ray.get(actor.describe.remote(), timeout=300)
+                info = ray.get(actor.describe.remote(), timeout=self.start_timeout_s)
             except Exception as exc:  # noqa: BLE001 - a node that cannot start one is left out, and said so
-                self._say(f"node {nid[:12]} left out: its evaluator did not start ({exc!r:.200})")
+                held = f"the {cpus} CPU(s)" + (f" and {gpus} GPU(s)" if gpus else "")
+                why = (f"did not start within {self.start_timeout_s:.0f} s: other Ray work may hold {held} it "
+                       "reserves" if isinstance(exc, ray.exceptions.GetTimeoutError)
+                       else f"did not start ({exc!r:.200})")  # fmt: skip
+                self._say(f"node {nid[:12]} left out: its evaluator {why}")
+                self._stop(actor)
                 self._lost.add(nid)
                 continue
+            info = {**info, "reserved": {"CPU": cpus, "GPU": gpus}}
             if info["compiler_missing"]:
                 self._stop(actor)
                 raise ClusterUnavailable(f"node {nid[:12]} ({info['host']}): {info['compiler_missing']}")

@@ -55,7 +55,8 @@ class TimingSettings(_Model):
     )  # fmt: skip
     core: int | None = Field(None, description="core the timing worker is pinned to (default: the last allowed)")
     lock_file: str = Field(
-        "/tmp/evoforge-timing.lock", description="machine-wide lock serialising the timing stage of all workers"
+        "/tmp/evoforge-timing.lock", description="machine-wide lock: a timing holds it alone, every other stage of "
+        "every worker shares it"
     )
 
 

@@ -46,7 +46,8 @@ def test_a_lost_duel_caps_the_fitness_where_the_side_by_side_timing_puts_it():
     assert barely.fitness == pytest.approx(math.sqrt(101.0 * 105.0))
     # the machine ran slower for the challenger's own timing: the mean would rank it under the best it beat
     slow = settle(_ok(101.0, vs_reference=1.2), _ok(1.0, duel_ratio=1.05), "best", 100.0, 1.0)
-    assert slow.fitness == pytest.approx(105.0)
+    assert slow.fitness == pytest.approx(105.0)  # ranked above the best by the ratio...
+    assert slow.metrics["vs_reference"] == pytest.approx(math.sqrt(1.2 * 1.05))  # ...its ratio to BLAS not inflated
     # With both vs_reference known, they are compared: the machine ran 30% slower when the best was timed.
     drifted = settle(_ok(140.0, vs_reference=1.12), _ok(1.0, duel_ratio=1.05), "best", 100.0, 1.0)
     assert drifted.fitness == pytest.approx(140.0 * math.sqrt(1.05 / 1.12))

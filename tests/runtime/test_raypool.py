@@ -222,3 +222,44 @@ void kernel(int n, float a, float b, const float *x, float *y) {{
     pool.submit(req)
     result = _all(pool, 1)[req.key]
     assert result.status is Status.OK, result.error  # its socket was refused: its outputs stayed right
+
+
+def test_an_evaluator_reserves_what_it_measures_with(cluster):
+    """Ray places nothing else on the CPUs a node's evaluator measures with (all of them for an engine's
+    load test); a CUDA task takes every GPU of a node, one slot each, and leaves out nodes without one."""
+    from runtime.raypool import node_reservation
+
+    assert node_reservation({"CPU": 8}, workers_per_node=None, whole_machine=False, gpus=False) == (8, 0)
+    assert node_reservation({"CPU": 8}, workers_per_node=2, whole_machine=False, gpus=False) == (2, 0)
+    assert node_reservation({"CPU": 8}, workers_per_node=1, whole_machine=True, gpus=False) == (8, 0)
+    assert node_reservation({"CPU": 8, "GPU": 2}, workers_per_node=None, whole_machine=False, gpus=True) == (1, 2)
+    assert node_reservation({"CPU": 8}, workers_per_node=None, whole_machine=False, gpus=True) == (1, 0)
+
+    ray.init(address=cluster.address, log_to_driver=False)  # this test's own connection: the pools reuse it
+    try:
+        _ensure_nodes(cluster, 2)
+        cluster.add_node(num_cpus=2, num_gpus=1, object_store_memory=80 * 2**20)
+        cluster.wait_for_nodes()
+
+        @ray.remote(num_cpus=1)
+        def other_work() -> str:
+            return ray.get_runtime_context().get_node_id()
+
+        said: list[str] = []
+        with RayPool(cluster.address, workers_per_node=1, whole_machine=True, say=said.append) as p:
+            assert all(n["reserved"]["CPU"] == n_cpus(n["node"]) for n in p.nodes())
+            ref = other_work.remote()
+            ready, _ = ray.wait([ref], timeout=3)
+            assert not ready, "Ray placed other work on a machine an engine evaluator holds"
+        assert ray.get(ref, timeout=60)  # placed once the evaluators let the machines go
+        said.clear()
+        with RayPool(cluster.address, gpus=True, say=said.append) as p:
+            (node,) = p.nodes()  # only the node with a GPU
+            assert node["reserved"] == {"CPU": 1, "GPU": 1} and p.slots == 1
+        assert any("no GPU" in line for line in said)
+    finally:
+        ray.shutdown()
+
+
+def n_cpus(node_id: str) -> int:
+    return next(int(n["Resources"]["CPU"]) for n in ray.nodes() if n["NodeID"] == node_id)
