@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -102,14 +103,16 @@ def main() -> None:
 def _runs(args: argparse.Namespace, config: Path) -> list[dict]:
     rows = []
     for seed in args.seeds:
-        run_dir = args.out / f"seed{seed}"
+        run_dir = args.out / args.config.stem.removeprefix(".winners-curse-") / f"seed{seed}"
+        if run_dir.exists():  # a fresh run each time: never a resumed one
+            shutil.rmtree(run_dir)
         cmd = [sys.executable, "-m", "evo", "run", str(config), "--run-dir", str(run_dir), "--seed", str(seed)]
         if args.max_evals:
             cmd += ["--max-evals", str(args.max_evals)]
         t0 = time.monotonic()
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         recorded, again = remeasure(RunDir.open(run_dir, readonly=True), args.repeats)
-        gap = _print(recorded, again, f"seed {seed}: ")
+        gap = _print(recorded, again, f"seed {seed} ({time.monotonic() - t0:.0f} s with the re-measurements): ")
         rows.append({"seed": seed, "recorded": recorded, "remeasured": again, "gap": gap,
                      "run_s": time.monotonic() - t0})  # fmt: skip
     return rows

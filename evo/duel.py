@@ -5,10 +5,12 @@ them for as long as it lives, so a challenger may have been timed in a quiet mom
 the bigger its claim, the more it needs checking. Every result that would be the new best, whatever its
 margin, is held back (when the task's backend offers duels) while a worker times it and the best
 interleaved, on the same inputs, under the timing lock. The duel's ratio
-decides: a challenger faster side by side is crowned, at the geometric mean of its claim and where
-the ratio puts it (the best's figure times the ratio): two measurements, each confirmed, neither
-trusted alone. Taking the lower of the two would under-rate every winner (the minimum of two noisy
-figures is biased low), taking the claim alone would keep a lucky moment. The two are compared on
+decides: a challenger faster side by side is crowned, its figure cut to where the ratio puts it (the
+best's figure times the ratio) when its claim says more: the claim was picked for being high, the
+ratio is a second measurement, side by side. Never more than the claim: the best's own figure may
+come from another state of the machine (a shared host runs fast and slow phases, and a kernel and
+BLAS do not slow alike), so the figure the ratio points at may be too high as well as too low, and
+averaging the two crowned over-rated winners of a user task by up to 23%. The two are compared on
 ``vs_reference``, not raw fitness: the machine's speed drifts between the two evaluations, and
 ``vs_reference`` was measured beside the reference each time. One that is not faster
 gets the best's fitness times the ratio (below the best, where the side-by-side timing puts it); one
@@ -19,7 +21,6 @@ budget records it capped at the best.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from runtime.result import EvalResult, Status
@@ -41,7 +42,7 @@ def settle(result: EvalResult, duel: EvalResult | None, rival_id: str, rival_fit
     """The challenger's result once its duel is over (``duel``: the duel evaluation's result, ``None`` when
     the run stopped before it came back). Only a challenger faster side by side is crowned:
 
-    - won (ratio > 1, fitness within any budget): its fitness times ``sqrt(rival_vs_reference * ratio /
+    - won (ratio > 1, fitness within any budget): its fitness times ``min(1, rival_vs_reference * ratio /
       its vs_reference)`` (raw fitness in place of ``vs_reference`` where either is missing), and
       ``vs_reference`` scaled by as much; where that fitness would not rank it above the best (the
       machine drifted between the two timings), its fitness is ``rival_fitness * ratio``, and its
@@ -67,9 +68,9 @@ def settle(result: EvalResult, duel: EvalResult | None, rival_id: str, rival_fit
         return _capped(result, rival_fitness * min(ratio, 1.0), note)
     claim = result.metrics.get("vs_reference")
     if isinstance(claim, (int, float)) and claim > 0 and rival_vs_reference:
-        factor = math.sqrt(rival_vs_reference * ratio / claim)
+        factor = min(1.0, rival_vs_reference * ratio / claim)
     else:
-        factor = math.sqrt(rival_fitness * ratio / result.fitness)
+        factor = min(1.0, rival_fitness * ratio / result.fitness)
     fitness = result.fitness * factor
     if fitness == result.fitness:
         return replace(result, metrics={**result.metrics, "duel": note})
