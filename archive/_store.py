@@ -326,6 +326,12 @@ class Store(LLMRecords):
             for e, s, c, q, b, m, at in rows
         ]
 
+    def marker(self) -> tuple[int, int, int]:
+        """(candidates, last evaluation, QD snapshots): changes whenever the run records something."""
+        row = self._conn.execute("SELECT COUNT(*), COALESCE(MAX(eval_seq), 0), (SELECT COUNT(*) FROM qd_history) "
+                                 "FROM candidates").fetchone()  # fmt: skip
+        return int(row[0]), int(row[1]), int(row[2])
+
     def bandit_history(self) -> list[tuple[int, float, dict[str, float]]]:
         """``(evals, elapsed_s, weights)`` of the adaptive operator choice, in order; empty without a bandit
         (and for runs stored before it was kept)."""

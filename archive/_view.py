@@ -144,10 +144,7 @@ class RunView:
 
     def marker(self) -> tuple[int, int, int]:
         """Changes whenever the run records something: (candidates, last evaluation, QD snapshots)."""
-        conn = self.store._conn  # noqa: SLF001 - one aggregate query, owned by this package
-        row = conn.execute("SELECT COUNT(*), COALESCE(MAX(eval_seq), 0), (SELECT COUNT(*) FROM qd_history) "
-                           "FROM candidates").fetchone()  # fmt: skip
-        return int(row[0]), int(row[1]), int(row[2])
+        return self.store.marker()
 
     def pareto(self, objectives: Sequence[Objective]) -> list[Candidate]:
         """The ok candidates no other ok candidate beats on every objective, best on the first one first."""

@@ -21,10 +21,6 @@ def _need(extra: str, names: tuple[str, ...]) -> None:
                         f"pip install -c constraints.txt -e '.[{extra}]'")  # fmt: skip
 
 
-def _run_view_error(exc: Exception) -> UserError:
-    return UserError(str(exc))
-
-
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="the HTML file [default: RUN_DIR/report.html]")
@@ -40,7 +36,7 @@ def report(run_dir: Path, output: Path | None, png_dir: Path | None) -> None:
     try:
         titles = write_report(run_dir, out, png_dir)
     except StoreError as exc:
-        raise _run_view_error(exc) from None
+        raise UserError(str(exc)) from None
     except OSError as exc:
         raise UserError(f"cannot write {exc.filename or out}: {exc.strerror} (choose another path with -o)") from None
     click.echo(f"wrote {out}: {', '.join(titles)}" + (f"; figures in {png_dir}" if png_dir else ""))
@@ -69,4 +65,4 @@ def dashboard(run_dir: Path, host: str, port: int, key_env: str | None) -> None:
     try:
         serve(run_dir, host=host, port=port, key=key)
     except StoreError as exc:
-        raise _run_view_error(exc) from None
+        raise UserError(str(exc)) from None

@@ -102,7 +102,7 @@ def _summary(view: RunView, cands: list[Candidate], best: Candidate | None) -> S
 def _archive(report: Report, view: RunView, ok: list[Candidate]) -> Section:
     try:
         archive = view.archive()
-    except Exception as exc:  # noqa: BLE001 - a run without a layout yet still gets the rest of its report
+    except StoreError as exc:  # a run without a layout yet still gets the rest of its report
         return Section("archive", "Archive", f'<p class="none">no archive layout yet ({html.escape(str(exc))}).</p>')
     elite_ids = {e.id for e in archive.elites()}
     by_id = {c.id: c for c in ok if c.id in elite_ids}
