@@ -171,7 +171,10 @@ def _lineage(view: RunView, best: Candidate) -> Section:
         if i:
             steps.append(_step_diff(chain[i - 1], c, i))
     body = _table(("step", "id", "operator", "status", f"fitness ({best.unit})", "vs_reference"), rows, "lineage")
-    return Section("lineage", f"Lineage of the best ({len(chain)} steps from its seed)", body + "".join(steps))
+    n = len(chain) - 1
+    steps_from = "a seed itself" if n == 0 else f"{n} step{'s' * (n > 1)} from its seed"
+    title = f"Lineage of the best ({steps_from})"
+    return Section("lineage", title, body + "".join(steps))
 
 
 def _step_diff(parent: Candidate, child: Candidate, i: int) -> str:
