@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import html
 import json
 import os
 import secrets
@@ -154,7 +153,7 @@ def create_app(run_dir: str | Path, *, key: str | None = None, min_interval_s: f
         return response
 
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "run": html.escape(str(run_dir))})
+        return JSONResponse({"status": "ok"})
 
     return Starlette(routes=[
         Route("/", page), Route("/api/report", api_report), Route("/login", login, methods=["GET", "POST"]),
