@@ -33,6 +33,19 @@ class RunNotFound(StoreError, _runtime_runs.RunNotFound):
     :meth:`RunView.stored`)."""
 
 
+def _config(text: str, db: Path) -> dict[str, Any]:
+    """The stored config as a mapping whose ``task`` is a mapping with mapping ``args``; RunNotFound else."""
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RunNotFound(f"{db}: its stored config is not YAML ({str(exc).splitlines()[0]})") from None
+    config = config if config is not None else {}
+    task = config.get("task", {}) if isinstance(config, dict) else None
+    if not isinstance(task, dict) or not isinstance(task.get("args", {}) or {}, dict):
+        raise RunNotFound(f"{db}: its stored config is not an evo run's (expected a task: {{name, args}} mapping)")
+    return config
+
+
 def read_run(path: str | os.PathLike[str]) -> RunView:
     """The run in ``path`` for the runtime (a :class:`runtime.runs.RunReader`): any failure to read it is
     :class:`RunNotFound`, with the reason."""
@@ -62,7 +75,12 @@ class RunView:
                 self.store.close()
             raise RunNotFound(f"{db} has no stored config: it was not written by evo run")
         self.config_text = text
-        self.config: dict[str, Any] = yaml.safe_load(text) or {}
+        try:
+            self.config: dict[str, Any] = _config(text, db)
+        except RunNotFound:
+            if store is None:
+                self.store.close()
+            raise
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

@@ -38,7 +38,9 @@ def report(run_dir: Path, output: Path | None, png_dir: Path | None) -> None:
     except StoreError as exc:
         raise UserError(str(exc)) from None
     except OSError as exc:
-        raise UserError(f"cannot write {exc.filename or out}: {exc.strerror} (choose another path with -o)") from None
+        where = exc.filename or out
+        flag = "--png" if png_dir is not None and str(where).startswith(str(png_dir)) else "-o"
+        raise UserError(f"cannot write {where}: {exc.strerror} (choose another path with {flag})") from None
     click.echo(f"wrote {out}: {', '.join(titles)}" + (f"; figures in {png_dir}" if png_dir else ""))
 
 

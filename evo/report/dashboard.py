@@ -18,6 +18,7 @@ import hmac
 import json
 import os
 import secrets
+import socket
 import threading
 import time
 from pathlib import Path
@@ -25,6 +26,8 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
@@ -101,8 +104,10 @@ def _marker(report: Report) -> str:
 
 
 def create_app(run_dir: str | Path, *, key: str | None = None, min_interval_s: float = 2.0,
-               poll_ms: int = 1500) -> Starlette:  # fmt: skip
-    """The dashboard of the run in ``run_dir`` (which must hold a run: :class:`archive.RunNotFound`)."""
+               poll_ms: int = 1500, hosts: list[str] | None = None) -> Starlette:  # fmt: skip
+    """The dashboard of the run in ``run_dir`` (which must hold a run: :class:`archive.RunNotFound`).
+    ``hosts``: the ``Host`` names it answers (a loopback dashboard answers only loopback names, so a web
+    page cannot reach it through a rebound DNS name); ``None``: any."""
     run_dir = Path(run_dir)
     RunView(run_dir).close()  # fails now, with the reason, rather than on the first page
     reports = _Reports(run_dir, min_interval_s)
@@ -155,10 +160,11 @@ def create_app(run_dir: str | Path, *, key: str | None = None, min_interval_s: f
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=hosts)] if hosts else []
     return Starlette(routes=[
         Route("/", page), Route("/api/report", api_report), Route("/login", login, methods=["GET", "POST"]),
         Route("/healthz", healthz),
-    ])  # fmt: skip
+    ], middleware=middleware)  # fmt: skip
 
 
 async def _in_thread(fn: Any) -> Any:
@@ -171,9 +177,16 @@ def serve(run_dir: Path, *, host: str, port: int, key: str | None) -> None:
     """Serves the dashboard until interrupted, at a lower priority than the run it watches."""
     import uvicorn
 
+    from evo.errors import UserError
+
+    try:  # in use, or not an address of this machine: one line now, not uvicorn's exit 3 later
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror} (choose another --port or --host)") from None
     with contextlib.suppress(OSError):
         os.nice(10)
-    app = create_app(run_dir, key=key)
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    app = create_app(run_dir, key=key, hosts=["127.0.0.1", "localhost", "::1"] if loopback else None)
     print(json.dumps({"dashboard": f"http://{host}:{port}/", "run": str(run_dir), "key": key is not None}),
           flush=True)  # fmt: skip
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -15,6 +15,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
+matplotlib.rcParams["text.parse_math"] = False  # names from a run (operators, units) are text, never TeX
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
@@ -237,7 +238,7 @@ def engine_front(cands: Sequence[Candidate], budget_ms: float | None) -> bytes |
         return None
     front = pareto_front(pts, [Objective("throughput"), Objective("p99_ms", maximise=False)])
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    mem = [float(c.metrics.get("memory_mb") or 0.0) for c in pts]
+    mem = [float(c.metrics["memory_mb"]) if _num(c.metrics.get("memory_mb")) else 0.0 for c in pts]
     sc = ax.scatter([c.metrics["p99_ms"] for c in pts], [c.metrics["throughput"] for c in pts], c=mem, cmap="plasma",
                     s=28, alpha=0.85)  # fmt: skip
     fig.colorbar(sc, ax=ax, label="memory (MB)")

@@ -91,7 +91,7 @@ def _summary(view: RunView, cands: list[Candidate], best: Candidate | None) -> S
     ]
     if best is not None:
         vs = best.metrics.get("vs_reference")
-        rows += [("best", f"{best.fitness:.4g} {best.unit}" + (f" ({vs:.3f}x the reference)" if vs else "")),
+        rows += [("best", f"{best.fitness:.4g} {best.unit}" + (f" ({vs:.3f}x the reference)" if _num(vs) else "")),
                  ("best id", best.id[:16]), ("best's operator", best.operator)]  # fmt: skip
         hw = view.store.hardware(best.hardware_id) if best.hardware_id else None
         if hw:
@@ -102,7 +102,7 @@ def _summary(view: RunView, cands: list[Candidate], best: Candidate | None) -> S
 def _archive(report: Report, view: RunView, ok: list[Candidate]) -> Section:
     try:
         archive = view.archive()
-    except StoreError as exc:  # a run without a layout yet still gets the rest of its report
+    except (StoreError, ValueError) as exc:  # no layout yet, or stored descriptors that do not fit it
         return Section("archive", "Archive", f'<p class="none">no archive layout yet ({html.escape(str(exc))}).</p>')
     elite_ids = {e.id for e in archive.elites()}
     by_id = {c.id: c for c in ok if c.id in elite_ids}
@@ -142,7 +142,7 @@ _FUNNEL = ("proposals", "applied", "compiled", "correct", "improved", "tokens")
 def _operators(report: Report, view: RunView) -> Section:
     try:
         ops = operator_stats(view.store)
-    except StoreError as exc:  # no archive layout yet: nothing evaluated either
+    except (StoreError, ValueError) as exc:  # no archive layout yet, or descriptors that do not fit it
         return Section("operators", "Operators and models", f'<p class="none">{html.escape(str(exc))}</p>')
     body = _table(("operator", *_FUNNEL), [(n, *(r.get(k, 0) for k in _FUNNEL)) for n, r in sorted(ops.items())])
     body += report.figure("operators", figures.funnel(ops, "funnel per operator"), "funnel per operator")
@@ -153,7 +153,9 @@ def _operators(report: Report, view: RunView) -> Section:
                                                              for m, r in sorted(models.items())])  # fmt: skip
         body += report.figure("models", figures.funnel(models, "funnel per model"), "funnel per model")
     bandit = view.store.bandit_history()
-    adaptive = ((view.config.get("search") or {}).get("operators") or {}).get("adaptive")
+    search = view.config.get("search")
+    operators = search.get("operators") if isinstance(search, dict) else None
+    adaptive = isinstance(operators, dict) and operators.get("adaptive")
     if bandit:
         body += report.figure("bandit", figures.bandit_weights(bandit), "operator weights of the bandit")
     elif adaptive:
@@ -183,7 +185,9 @@ def _step_diff(parent: Candidate, child: Candidate, i: int) -> str:
     changed = {k: (parent.params.get(k), v) for k, v in child.params.items() if parent.params.get(k) != v}
     changed.update({k: (v, None) for k, v in parent.params.items() if k not in child.params})
     if changed:
-        parts.append(", ".join(f"{k}: {json.dumps(a)} &rarr; {json.dumps(b)}" for k, (a, b) in sorted(changed.items())))
+        esc = html.escape
+        parts.append(", ".join(f"{esc(str(k))}: {esc(json.dumps(a))} &rarr; {esc(json.dumps(b))}"
+                               for k, (a, b) in sorted(changed.items(), key=lambda kv: str(kv[0]))))
     if (parent.source or "") != (child.source or ""):
         diff = difflib.unified_diff((parent.source or "").splitlines(), (child.source or "").splitlines(),
                                     f"{parent.id[:12]}", f"{child.id[:12]}", lineterm="", n=2)  # fmt: skip

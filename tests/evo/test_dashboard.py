@@ -81,3 +81,14 @@ def test_dashboard_refuses_to_show_a_run_to_the_network_without_a_key(run, tmp_p
     assert out.returncode == 2 and "--key-env" in out.stderr and "Traceback" not in out.stderr
     out = evo("dashboard", str(tmp_path / "none"), cwd=tmp_path, timeout=60)
     assert out.returncode == 2 and "no run in" in out.stderr
+
+
+def test_a_loopback_dashboard_answers_loopback_names_only_and_a_taken_port_is_one_line(run, tmp_path):
+    opener = urllib.request.build_opener()
+    with dashboard(run, key=None) as url:
+        assert _get(opener, url + "api/report")[0] == 200
+        status, _, _ = _get(opener, url + "api/report", Host="attacker.example")  # a rebound DNS name
+        assert status == 400
+        port = urllib.parse.urlparse(url).port
+        out = evo("dashboard", str(run), "--port", str(port), cwd=tmp_path, timeout=60)
+        assert out.returncode == 2 and "cannot listen" in out.stderr and "Traceback" not in out.stderr

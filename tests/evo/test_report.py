@@ -155,3 +155,48 @@ def test_an_older_store_is_read_as_it_is_and_migrated_when_opened_to_write(tmp_p
     new.add_bandit_weights(evals=3, elapsed_s=1.0, weights={"mutate": 0.5})
     assert new.bandit_history() == [(3, 1.0, {"mutate": 0.5})]
     new.close()
+
+
+_PAYLOAD = "<img src=x onerror=alert(1)>"
+
+
+def _hostile_store(path: Path, *, config: str | None = None, best_metrics: dict | None = None,
+                   operator: str = "mutate", descriptors: dict | None = None) -> Path:  # fmt: skip
+    """A run written by someone hostile: markup in params, TeX in names, odd metrics, odd configs."""
+    path.mkdir()
+    store = Store(path)
+    store.set_meta("config", config if config is not None else yaml.safe_dump(
+        {"name": "x", "task": {"name": "matmul", "args": {}}, "archive": {"kind": "grid", "descriptors": ["a"],
+                                                                           "bins": 2}}))  # fmt: skip
+    save_layout(store, GridArchive(names=["a"], bins=[2], ranges=[(0, 1)]))
+    seed = Genome(params={"P": 1}, source="a")
+    child = Genome(params={"P": _PAYLOAD, _PAYLOAD: 2}, source="b" + _PAYLOAD)
+    store.add_pending(genome=seed, operator="seed")
+    store.record_result(seed.id, EvalResult(status=Status.OK, fitness=1.0, unit="$\\frac{$"), descriptors={"a": 0.2})
+    store.add_pending(genome=child, parents=[seed.id], operator=operator)
+    store.record_result(child.id, EvalResult(status=Status.OK, fitness=2.0, unit="$\\frac{$",
+                                             metrics=best_metrics or {"vs_reference": 1.0}),
+                        descriptors=descriptors or {"a": 0.7})  # fmt: skip
+    store.close()
+    return path
+
+
+def test_a_hostile_run_is_reported_escaped_and_without_a_traceback(tmp_path):
+    run = _hostile_store(tmp_path / "x", operator="$\\foo{$",
+                         best_metrics={"vs_reference": "fast", "throughput": 1.0, "p99_ms": 1.0, "memory_mb": "lots"})
+    out = evo("report", str(run), "-o", str(tmp_path / "x.html"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    page = (tmp_path / "x.html").read_text()
+    assert _PAYLOAD not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
+    odd = _hostile_store(tmp_path / "odd", descriptors={"b": 0.5})  # descriptors that do not fit the layout
+    out = evo("report", str(odd), "-o", str(tmp_path / "odd.html"), cwd=tmp_path)
+    assert out.returncode == 0 and "descriptors lack" in (tmp_path / "odd.html").read_text()
+    for i, config in enumerate(("a: [", "- 1\n- 2", "task: matmul", "task: {name: m, args: [1, 2]}")):
+        bad = _hostile_store(tmp_path / f"bad{i}", config=config)
+        out = evo("report", str(bad), cwd=tmp_path)
+        assert out.returncode == 2 and "stored config" in out.stderr and "Traceback" not in out.stderr, config
+    assert evo("report", str(_hostile_store(tmp_path / "s", config="task: {name: m}\nsearch: fast")),
+               cwd=tmp_path).returncode == 0
+    (tmp_path / "pngs").write_text("a file, not a folder")
+    out = evo("report", str(run), "--png", str(tmp_path / "pngs"), cwd=tmp_path)
+    assert out.returncode == 2 and "--png" in out.stderr
