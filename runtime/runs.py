@@ -47,6 +47,10 @@ class RunReader(Protocol):
         """The candidate with this id or unique prefix; :class:`RunNotFound` when none (or ambiguous)."""
         ...
 
+    def close(self) -> None:
+        """Lets go of the run (its store's connection)."""
+        ...
+
 
 OpenRun = Callable[[str | Path], RunReader]
 """Opens the run in a directory; raises :class:`RunNotFound`."""

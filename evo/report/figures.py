@@ -38,6 +38,13 @@ def png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
+def _finish(fig: Figure, ax: Any, colours: Any, label: str, title: str) -> bytes:
+    """An archive map's colour bar and title, drawn."""
+    fig.colorbar(colours, ax=ax, label=label)
+    ax.set_title(title)
+    return png(fig)
+
+
 def archive_map(archive: Archive, values: dict[str, float], label: str) -> bytes | None:
     """The archive's cells coloured by ``values`` (elite id -> value), empty cells blank: a grid in 1D or 2D,
     Voronoi cells for a 2D CVT, parallel axes over more descriptors."""
@@ -77,9 +84,7 @@ def _grid(archive: GridArchive, elites: list[Elite], values: dict[str, float], n
                              edgecolors="#dddddd", linewidth=0.3)  # fmt: skip
         ax.set_yticks([])
         ax.set_xlabel(archive.names[0])
-    fig.colorbar(mesh, ax=ax, label=label)
-    ax.set_title(f"archive: {len(elites)} of {archive.cells} cells filled")
-    return png(fig)
+    return _finish(fig, ax, mesh, label, f"archive: {len(elites)} of {archive.cells} cells filled")
 
 
 def _voronoi(archive: CVTArchive, elites: list[Elite], values: dict[str, float], norm: Any, cmap: Any,
@@ -106,9 +111,8 @@ def _voronoi(archive: CVTArchive, elites: list[Elite], values: dict[str, float],
     ax.set_ylim(lo[0], hi[0])
     ax.set_xlabel(archive.names[1])
     ax.set_ylabel(archive.names[0])
-    fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=label)
-    ax.set_title(f"archive (CVT): {len(elites)} of {archive.cells} cells filled")
-    return png(fig)
+    return _finish(fig, ax, matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), label,
+                   f"archive (CVT): {len(elites)} of {archive.cells} cells filled")
 
 
 def _scatter(archive: Archive, elites: list[Elite], values: dict[str, float], norm: Any, cmap: Any,
@@ -119,9 +123,7 @@ def _scatter(archive: Archive, elites: list[Elite], values: dict[str, float], no
     ax.set_xlim(*archive.ranges[0])
     ax.set_yticks([])
     ax.set_xlabel(archive.names[0])
-    fig.colorbar(sc, ax=ax, label=label)
-    ax.set_title(f"archive: {len(elites)} of {archive.cells} cells filled")
-    return png(fig)
+    return _finish(fig, ax, sc, label, f"archive: {len(elites)} of {archive.cells} cells filled")
 
 
 def _parallel_axes(archive: Archive, elites: list[Elite], values: dict[str, float], norm: Any, cmap: Any,
@@ -134,9 +136,8 @@ def _parallel_axes(archive: Archive, elites: list[Elite], values: dict[str, floa
     ax.set_xticks(list(xs), [f"{n}\n[{lo:g}, {hi:g}]" for n, (lo, hi) in zip(archive.names, archive.ranges,
                                                                              strict=True)])  # fmt: skip
     ax.set_yticks([0, 1], ["low", "high"])
-    fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=label)
-    ax.set_title(f"archive: {len(elites)} of {archive.cells} cells filled, one line per elite")
-    return png(fig)
+    return _finish(fig, ax, matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), label,
+                   f"archive: {len(elites)} of {archive.cells} cells filled, one line per elite")
 
 
 def progress(history: Sequence[Any], best_curve: Sequence[tuple[int, float, float, float | None]],

@@ -317,9 +317,7 @@ def _read(kr: dict[str, Any], slot: str, runs: OpenRun | None) -> dict[str, Any]
             offer = kernel_offer(run, slot, list(ids) if ids is not None else None,
                                  int(kr.get("top", KernelRun.model_fields["top"].default)))  # fmt: skip
         finally:
-            close = getattr(run, "close", None)
-            if close is not None:
-                close()
+            run.close()
     except (RunNotFound, ValueError, TypeError) as exc:
         return {**{k: v for k, v in kr.items() if k != "unreadable"}, "unreadable": str(exc)}
     return {**kr, "ids": [k.id for k in offer],

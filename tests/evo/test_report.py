@@ -77,9 +77,9 @@ def test_archive_maps_for_every_layout_leave_empty_cells_blank():
     grid1 = GridArchive(names=["a"], bins=[8], ranges=[(0, 1)])
     cvt = CVTArchive(names=["a", "b"], ranges=[(0, 1), (0, 10)], cells=30, samples=600, seed=1)
     many = GridArchive(names=["a", "b", "c"], bins=[3, 3, 3], ranges=[(0, 1)] * 3)
-    drawn = {}
-    for archive in (grid2, grid1, cvt, many):
-        values = drawn[archive.kind + str(len(archive.names)) + str(archive.cells)] = {}
+    drawn: dict[str, dict[str, float]] = {}
+    for name, archive in (("grid2", grid2), ("grid1", grid1), ("cvt", cvt), ("many", many)):
+        values = drawn[name] = {}
         for i in range(6):
             cid = f"{i:064x}"
             archive.add(cid, float(i + 1), list(rng.random(len(archive.names)) * [r[1] for r in archive.ranges]))
@@ -88,7 +88,7 @@ def test_archive_maps_for_every_layout_leave_empty_cells_blank():
         assert data is not None and _drawn(data), archive
     assert figures.archive_map(grid2, {}, "fitness") is None  # nothing to draw: said so, not a blank plot
     # a 2D grid: a filled cell is coloured, an empty one white
-    img = _image(figures.archive_map(grid2, drawn["grid220"], "fitness"))
+    img = _image(figures.archive_map(grid2, drawn["grid2"], "fitness"))
     assert (img[..., :3] > 0.99).all(axis=-1).any()
 
 
