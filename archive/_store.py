@@ -144,13 +144,25 @@ class Store(LLMRecords):
 
         Assigns the next ``eval_seq``. A candidate's result is recorded once: recording another for an
         evaluated candidate raises :class:`StoreError`, an unknown id :class:`CandidateNotFoundError`.
+        Only a confirmation may change it afterwards (:meth:`revise_result`).
         """
+        self._write_result(id, result, descriptors, "pending")
+
+    def revise_result(self, id: str, result: EvalResult, *, descriptors: dict[str, float] | None = None) -> None:
+        """Replaces an ok candidate's result with what its confirmation measured (fresh evaluations after
+        the search), keeping its place in the evaluation order. Any other candidate raises :class:`StoreError`."""
+        self._write_result(id, result, descriptors, "ok")
+
+    def _write_result(self, id: str, result: EvalResult, descriptors: dict[str, float] | None, was: str) -> None:
         if result.status == Status.PENDING:
             raise ValueError("a result cannot have status 'pending'")
         fitness = result.fitness
         if fitness is not None:
             fitness = float(fitness)
             fitness = fitness if fitness == fitness else None  # NaN -> NULL
+        # a revised result keeps its place in the evaluation order and the time it was first recorded
+        seq = "(SELECT COALESCE(MAX(eval_seq), 0) + 1 FROM candidates)" if was == "pending" else "eval_seq"
+        at = "?" if was == "pending" else "COALESCE(evaluated_at, ?)"
         with self._write() as c:
             hardware_id = None
             if result.hardware is not None:
@@ -163,9 +175,8 @@ class Store(LLMRecords):
                     )
             cur = c.execute(
                 "UPDATE candidates SET status = ?, fitness = ?, unit = ?, metrics = ?, descriptors = ?, error = ?,"
-                " timings = ?, hardware_id = ?, evaluated_at = ?,"
-                " eval_seq = (SELECT COALESCE(MAX(eval_seq), 0) + 1 FROM candidates)"
-                " WHERE id = ? AND status = 'pending'",
+                f" timings = ?, hardware_id = ?, evaluated_at = {at}, eval_seq = {seq}"
+                " WHERE id = ? AND status = ?",
                 (
                     str(result.status),
                     fitness,
@@ -177,13 +188,16 @@ class Store(LLMRecords):
                     hardware_id,
                     time.time(),
                     id,
+                    was,
                 ),
             )
             if cur.rowcount != 1:
                 row = c.execute("SELECT status FROM candidates WHERE id = ?", (id,)).fetchone()
                 if row is None:
                     raise CandidateNotFoundError(f"no candidate {id}")
-                raise StoreError(f"candidate {id[:12]} is already evaluated ({row[0]}); a result is recorded once")
+                if was == "pending":
+                    raise StoreError(f"candidate {id[:12]} is already evaluated ({row[0]}); a result is recorded once")
+                raise StoreError(f"candidate {id[:12]} is {row[0]}: only an ok result is revised by a confirmation")
         if hardware_id is not None:
             self._hardware_ids.add(hardware_id)  # only once committed: a rolled-back insert must be retried
 

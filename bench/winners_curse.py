@@ -34,8 +34,9 @@ from runtime import EvalRequest  # noqa: E402
 from runtime.pool import LocalPool  # noqa: E402
 
 
-def remeasure(rd: RunDir, repeats: int) -> tuple[float, list[float]]:
-    """The best's recorded ``vs_reference``, and its ``vs_reference`` evaluated again ``repeats`` times, each in
+def remeasure(rd: RunDir, repeats: int) -> tuple[float, float | None, list[float]]:
+    """The best's recorded ``vs_reference``, the one it was picked at (before its confirmation; ``None``
+    when the run confirmed nothing), and its ``vs_reference`` evaluated again ``repeats`` times, each in
     a new pool. The ratio to the reference timed side by side, not GFLOP/s: on a shared machine both
     sides drift together by tens of percent within minutes, and the ratio is what the search ranks by
     in effect (every new best is dueled side by side)."""
@@ -58,14 +59,17 @@ def remeasure(rd: RunDir, repeats: int) -> tuple[float, list[float]]:
                 got = pool.next_result(600)
             assert got is not None and got[1].status == "ok", got
             again.append(float(got[1].metrics["vs_reference"]))
-    return float(cand.metrics["vs_reference"]), again
+    picked = (cand.metrics.get("confirmed") or {}).get("recorded_vs_reference")
+    return float(cand.metrics["vs_reference"]), picked, again
 
 
-def _print(recorded: float, again: list[float], prefix: str) -> float:
+def _print(recorded: float, picked: float | None, again: list[float], prefix: str) -> float:
     median = statistics.median(again)
     spread = statistics.stdev(again) / statistics.mean(again) if len(again) > 1 else 0.0
-    print(f"{prefix}vs_reference recorded {recorded:.3f}, re-measured {', '.join(f'{a:.3f}' for a in again)} (median "
-          f"{median:.3f}, spread {spread:.1%} std/mean): gap {recorded / median - 1:+.1%}", flush=True)  # fmt: skip
+    before = f" (picked at {picked:.3f}: {picked / median - 1:+.1%} before its confirmation)" if picked else ""
+    print(f"{prefix}vs_reference recorded {recorded:.3f}, re-measured {', '.join(f'{a:.3f}' for a in again)} "
+          f"(median {median:.3f}, spread {spread:.1%} std/mean): gap {recorded / median - 1:+.1%}{before}",
+          flush=True)  # fmt: skip
     return recorded / median - 1
 
 
@@ -81,8 +85,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.run_dir:
-        recorded, again = remeasure(RunDir.open(args.run_dir, readonly=True), args.repeats)
-        _print(recorded, again, "")
+        recorded, picked, again = remeasure(RunDir.open(args.run_dir, readonly=True), args.repeats)
+        _print(recorded, picked, again, "")
         return
     # Seeds must be independent: no run may start from what an earlier one found (the memory is off). The
     # copy sits beside the config, whose directory is on the import path (a user task's module).
@@ -111,9 +115,9 @@ def _runs(args: argparse.Namespace, config: Path) -> list[dict]:
             cmd += ["--max-evals", str(args.max_evals)]
         t0 = time.monotonic()
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        recorded, again = remeasure(RunDir.open(run_dir, readonly=True), args.repeats)
-        gap = _print(recorded, again, f"seed {seed} ({time.monotonic() - t0:.0f} s with the re-measurements): ")
-        rows.append({"seed": seed, "recorded": recorded, "remeasured": again, "gap": gap,
+        recorded, picked, again = remeasure(RunDir.open(run_dir, readonly=True), args.repeats)
+        gap = _print(recorded, picked, again, f"seed {seed} ({time.monotonic() - t0:.0f} s with the re-measurements): ")
+        rows.append({"seed": seed, "recorded": recorded, "picked": picked, "remeasured": again, "gap": gap,
                      "run_s": time.monotonic() - t0})  # fmt: skip
     return rows
 

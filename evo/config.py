@@ -89,6 +89,13 @@ class OperatorsConfig(_Model):
         return self
 
 
+class ConfirmConfig(_Model):
+    """The best re-measured after the search: a figure picked for being the highest is biased high."""
+
+    repeats: int = Field(3, ge=0, description="fresh evaluations of the best after the search (0: none)")
+    top: int = Field(5, ge=1, description="candidates confirmed at most, while the best is not a confirmed one")
+
+
 class SearchConfig(_Model):
     workers: int | None = Field(None, ge=1, description="evaluation workers (default: the cores this process may use)")
     seed: int = Field(0, description="run seed: proposals derive their randomness from (seed, proposal counter)")
@@ -96,6 +103,7 @@ class SearchConfig(_Model):
     selection: SelectionConfig = Field(default_factory=SelectionConfig)
     operators: OperatorsConfig = Field(default_factory=OperatorsConfig)
     max_dedup_tries: int = Field(50, ge=1, description="proposals tried before giving up a slot on duplicates")
+    confirm: ConfirmConfig = Field(default_factory=ConfirmConfig)
 
 
 class ArchiveConfig(_Model):

@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from archive import AddStatus, Candidate, Store
+from archive import AddStatus, Candidate, Store, rebuild_archive
 from evo.budget import Budget
 from evo.config import RunConfig
+from evo.confirm import CONFIRMED, confirmed_result
 from evo.duel import settle, wants_duel
 from evo.memory_link import MemoryLink
 from evo.operators import Operator, build_operators
@@ -150,6 +151,7 @@ class Search:
                         continue
                     stopped = reason
                     break
+            self._confirm(executor)
         finally:
             self._pool = None
             self._settle_held()
@@ -289,6 +291,60 @@ class Search:
             self.proposer.parents_of[cand.id] = list(cand.parents)
             self.proposer.op_of[cand.id] = cand.operator
             self._place(cand.id, EvalResult(status=Status(cand.status), fitness=cand.fitness), cand.descriptors)
+
+    # --- confirmation -------------------------------------------------------------------------
+
+    def _confirm(self, executor: Executor) -> None:
+        """Evaluates the best again after the search (:mod:`evo.confirm`), until the best is a confirmed one."""
+        repeats, top = self.config.search.confirm.repeats, self.config.search.confirm.top
+        if repeats == 0:
+            return
+        self._pool = None  # no more duels: results still in flight are recorded as they come back
+        changed = False
+        for _ in range(top):
+            best = self.store.best(1)
+            if not best or CONFIRMED in best[0].metrics:
+                break
+            cand = best[0]
+            self.reporter.note(f"confirming the best {cand.id[:12]} ({cand.fitness:.4g} {self.task.unit}): "
+                               f"{repeats} fresh evaluations")  # fmt: skip
+            again = self._evaluate_again(executor, cand, repeats)
+            recorded = EvalResult(status=Status(cand.status), fitness=cand.fitness, unit=cand.unit,
+                                  metrics=cand.metrics)  # fmt: skip
+            result = confirmed_result(recorded, again)
+            descriptors = cand.descriptors if result.status == Status.OK else {}
+            self.store.revise_result(cand.id, result, descriptors=descriptors)
+            changed = True
+            figures = ", ".join(f"{r.fitness:.4g}" if r.fitness is not None else str(r.status) for r in again)
+            self.reporter.note(f"confirmed {cand.id[:12]}: recorded {cand.fitness:.4g}, again {figures}: "
+                               + (f"keeps {result.fitness:.4g}" if result.status == Status.OK
+                                  else f"{result.status}: {result.error}"))  # fmt: skip
+        else:
+            best = self.store.best(1)
+            if best and CONFIRMED not in best[0].metrics:
+                self.reporter.note(f"the best is not confirmed: {top} candidates were (search.confirm.top)")
+        if changed:  # the archive and the best follow the revised figures
+            self.archive = rebuild_archive(self.store)
+            found = self.store.best(1)
+            self._best = found[0] if found else None
+
+    def _evaluate_again(self, executor: Executor, cand: Candidate, repeats: int) -> list[EvalResult]:
+        """``repeats`` fresh evaluations of ``cand``, each a request of its own (so a fresh host each)."""
+        keys = [f"{cand.id}#confirm{i}" for i in range(repeats)]
+        base = self._request(cand)
+        for key in keys:
+            executor.submit(dataclasses.replace(base, key=key))
+        got: dict[str, EvalResult] = {}
+        while len(got) < repeats:
+            item = executor.next_result(timeout=0.5)
+            if item is None:
+                continue
+            request, result = item
+            if request.key in keys:
+                got[request.key] = result
+            else:
+                self._commit(request, result)
+        return [got[k] for k in keys]
 
     # --- stats ----------------------------------------------------------------------------------
 

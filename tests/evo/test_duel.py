@@ -79,6 +79,9 @@ def test_a_search_duels_its_would_be_bests(tmp_path):
     with sqlite3.connect(tmp_path / "run" / "archive.db") as db:
         rows = [(cid, fitness, json.loads(m)) for cid, fitness, m in
                 db.execute("SELECT id, fitness, metrics FROM candidates WHERE status = 'ok' ORDER BY eval_seq")]
+    # the figures as the search recorded them: the best was confirmed after the search (tests/evo/test_confirm.py)
+    assert any("confirmed" in m for _, _, m in rows)
+    rows = [(cid, m["confirmed"]["recorded_fitness"] if "confirmed" in m else f, m) for cid, f, m in rows]
     assert len(rows) == 12  # every held result was recorded once, after its duel
     duels = [(cid, f, m["duel"], m) for cid, f, m in rows if "duel" in m]
     assert duels, "no duel happened"

@@ -163,6 +163,7 @@ def test_a_resumed_run_replays_answers_instead_of_paying_again(tmp_path):
 
     with FakeLLM(wrong) as fake:
         cfg = llm_config(fake.url, weights={"llm_diff": 1.0}, max_evals=2)
+        cfg["search"]["confirm"] = {"repeats": 0}  # stop with the model's answers still in flight
         first, _ = run(tmp_path, cfg)
         paid_first = len(fake.requests)
         rd = RunDir.open(tmp_path / "run")  # as evo run --resume does: the stored config, a larger budget

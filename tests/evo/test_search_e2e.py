@@ -38,7 +38,9 @@ def rows(db: Path) -> dict[str, tuple]:
     con = sqlite3.connect(db)
     try:
         return {r[0]: r[1:] for r in con.execute(
-            "SELECT id, status, fitness, evaluated_at, eval_seq FROM candidates WHERE status != 'pending'")}
+            # the figure as the search recorded it: a confirmed best keeps it in its metrics
+            "SELECT id, status, COALESCE(json_extract(metrics, '$.confirmed.recorded_fitness'), fitness),"
+            " evaluated_at, eval_seq FROM candidates WHERE status != 'pending'")}
     finally:
         con.close()
 
