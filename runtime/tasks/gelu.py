@@ -9,7 +9,7 @@ import numpy as np
 from pydantic import Field
 
 from genome import ChoiceParam, Genome, ParamSpace, Pow2Param
-from runtime.task import VALUE_KINDS, Case, Descriptor, KernelTask, TaskArgs
+from runtime.task import VALUE_KINDS, Case, Descriptor, KernelTask, Slot, TaskArgs
 from runtime.tasks._common import load_c_source
 
 __all__ = ["Gelu"]
@@ -30,6 +30,7 @@ class Gelu(KernelTask):
     unit = "GB/s"
     description = "fp32 fused bias + erf GELU over a [rows, cols] matrix, bias broadcast over rows"
     signature = "void kernel(int rows, int cols, const float *x, const float *bias, float *y)"
+    slot = Slot("gelu")
     Args = GeluArgs
     args: GeluArgs
 
@@ -78,6 +79,10 @@ class Gelu(KernelTask):
         """Typical values, huge values (an exp-based tanh that overflows), tiny,
         zero, signed-zero and subnormal ones (see runtime.task.VALUE_KINDS)."""
         return VALUE_KINDS
+
+    def slot_args(self, operands: Mapping[str, Any], out: np.ndarray) -> list[Any]:
+        x = operands["x"]
+        return [x.shape[0], x.shape[1], x, operands["bias"], out]
 
     def kernel_args(self, case: Case, arrays: Mapping[str, np.ndarray]) -> list[Any]:
         return [case["rows"], case["cols"], arrays["x"], arrays["bias"], arrays["y"]]

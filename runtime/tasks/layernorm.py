@@ -9,7 +9,7 @@ import numpy as np
 from pydantic import Field
 
 from genome import ChoiceParam, Genome, ParamSpace, Pow2Param
-from runtime.task import VALUE_KINDS, Case, Descriptor, KernelTask, TaskArgs
+from runtime.task import VALUE_KINDS, Case, Descriptor, KernelTask, Slot, TaskArgs
 from runtime.tasks._common import load_c_source
 
 __all__ = ["LayerNorm"]
@@ -35,6 +35,7 @@ class LayerNorm(KernelTask):
     signature = (
         "void kernel(int rows, int cols, float eps, const float *x, const float *gamma, const float *beta, float *y)"
     )
+    slot = Slot("layernorm")
     Args = LayerNormArgs
     args: LayerNormArgs
 
@@ -87,6 +88,10 @@ class LayerNorm(KernelTask):
         """Typical values, huge values (a variance that overflows), tiny ones (one that underflows),
         zero, signed-zero and subnormal ones (see runtime.task.VALUE_KINDS)."""
         return VALUE_KINDS
+
+    def slot_args(self, operands: Mapping[str, Any], out: np.ndarray) -> list[Any]:
+        x = operands["x"]
+        return [x.shape[0], x.shape[1], float(operands["eps"]), x, operands["gamma"], operands["beta"], out]
 
     def kernel_args(self, case: Case, arrays: Mapping[str, np.ndarray]) -> list[Any]:
         return [case["rows"], case["cols"], float(self.args.eps), arrays["x"], arrays["gamma"], arrays["beta"],

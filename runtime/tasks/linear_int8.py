@@ -23,15 +23,11 @@ The engine packs its weights with :func:`pack_int8`; :func:`int8_linear_referenc
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
-from pydantic import Field, model_validator
 
-from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param
-from runtime.task import Case, Descriptor, KernelTask, TaskArgs
-from runtime.tasks._common import load_c_source
-from runtime.tasks.linear_bf16 import MINILM_SHAPES
+from runtime.task import Case, Slot
+from runtime.tasks._linear import LinearArgs, LinearTask
 
 __all__ = ["LinearInt8", "int8_linear_reference", "pack_int8", "quantize_rows", "unpack_int8"]
 
@@ -91,26 +87,16 @@ def int8_linear_reference(
     return y
 
 
-class LinearInt8Args(TaskArgs):
-    """Problem size of the timed case (MiniLM's feed-forward up-projection over a batch of tokens)."""
-
-    m: int = Field(256, ge=1, description="rows of x and y (tokens of a batch)")
-    k: int = Field(384, ge=64, description="columns of x, rows of W; a multiple of 64")
-    n: int = Field(1536, ge=16, description="columns of W and y; a multiple of 16")
-
-    @model_validator(mode="after")
-    def _blocked(self) -> LinearInt8Args:
-        if self.k % 64 or self.n % 16:
-            raise ValueError(f"linear_int8 needs k % 64 == 0 and n % 16 == 0, got k={self.k}, n={self.n}")
-        return self
+class LinearInt8Args(LinearArgs):
+    task_name = "linear_int8"
+    k_multiple = 64
 
 
-class LinearInt8(KernelTask):
+class LinearInt8(LinearTask):
     """Dynamic-quantisation int8 GEMM + bias; the template is either a vpdpbusd register tile (AVX512_VNNI)
     or AMX tdpbusd tiles, after quantising each row of x once per call."""
 
     name = "linear_int8"
-    unit = "GFLOP/s"
     description = (
         "int8 linear layer with dynamic quantisation (GOP/s of int8 ops counted like GFLOP: 2*m*n*k per call): "
         "each row of x[m,k] (fp32 row-major) quantised to u8 with s = (max(0,max x) - min(0,min x)) / 255 "
@@ -123,48 +109,20 @@ class LinearInt8(KernelTask):
         "void kernel(int m, int n, int k, const float *x, const int8_t *wq, const float *w_scale, "
         "const int32_t *w_colsum, const float *bias, float *y)"
     )
+    slot = Slot("linear", cpu_flag="avx512_vnni", k_multiple=64, n_multiple=16)
     Args = LinearInt8Args
     args: LinearInt8Args
+    isa = "VNNI"
+    # the ISA extensions, and no contraction into FMAs (the semantics round every product on its own)
+    isa_flags = ("-mavx512vnni", "-mamx-tile", "-mamx-int8", "-ffp-contract=off")
+    panel = ("PANEL", 16, 512)  # rows quantised at a time
+    tile_seed = {"ISA": "VNNI", "MR": 8, "NR": 2, "KU": 2, "AMX_MT": 2, "AMX_NT": 2, "PANEL": 64}  # 8 x 2 vectors
+    packed = ("wq", "w_scale", "w_colsum")
+    block = ("c_block_ints", "int32 sums")
+    sources = ("linear_int8_template.c", "linear_int8_naive.c")
 
-    def space(self) -> ParamSpace:
-        """ISA, the VNNI register tile (accumulators plus the B vectors fit 32 registers), the AMX block (C, A
-        and B tiles fit the 8 tile registers) and the panel of rows quantised at a time."""
-        return ParamSpace(
-            {
-                "ISA": ChoiceParam(type="choice", values=("VNNI", "AMX")),
-                "MR": IntParam(type="int", low=1, high=16),
-                "NR": IntParam(type="int", low=1, high=4),
-                "KU": Pow2Param(type="pow2", low=1, high=8),
-                "AMX_MT": IntParam(type="int", low=1, high=2),
-                "AMX_NT": IntParam(type="int", low=1, high=3),
-                "PANEL": Pow2Param(type="pow2", low=16, high=512),
-            },
-            ["MR * NR <= 28", "MR * NR >= 4", "AMX_MT * AMX_NT + AMX_MT + AMX_NT <= 8"],
-        )
-
-    def template(self) -> str:
-        return load_c_source("linear_int8_template.c")
-
-    def seeds(self) -> list[Genome]:
-        """The scalar loops, and a plain VNNI register tile (8 rows x 2 vectors)."""
-        vnni = {"ISA": "VNNI", "MR": 8, "NR": 2, "KU": 2, "AMX_MT": 2, "AMX_NT": 2, "PANEL": 64}
-        return [Genome(params={}, source=load_c_source("linear_int8_naive.c")), Genome(params=vnni)]
-
-    def compile_flags(self) -> list[str]:
-        """The ISA extensions, and no contraction into FMAs (the semantics round every product on its own)."""
-        flags = ["-mavx512vnni", "-mamx-tile", "-mamx-int8", "-ffp-contract=off"]
-        return [*flags, "-fopenmp"] if self.args.threads > 1 else flags
-
-    def full_case(self) -> Case:
-        return {"m": self.args.m, "n": self.args.n, "k": self.args.k}
-
-    def check_cases(self, rng: np.random.Generator) -> list[Case]:
-        """Each MiniLM shape at m = 1, 7, 33 and 256 (tails of every row block), small shapes whose n leaves a
-        column tail (80 = 5 x 16), and two drawn ones."""
-        fixed = [(m, k, n) for k, n in MINILM_SHAPES for m in (1, 7, 33, 256)]
-        fixed += [(7, 64, 16), (33, 128, 80), (17, 192, 208)]
-        drawn = [(int(rng.integers(1, 70)), 64 * int(rng.integers(1, 7)), 16 * int(rng.integers(1, 13))) for _ in "ab"]
-        return [{"m": m, "k": k, "n": n} for m, k, n in fixed + drawn]
+    def slot_pack(self, w: np.ndarray) -> tuple[np.ndarray, ...]:
+        return pack_int8(w)
 
     def inputs(self, case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
         """x within +-4 where, of every 7 rows from the second, one is all positive, one all negative (so lo or
@@ -188,27 +146,11 @@ class LinearInt8(KernelTask):
         bias = rng.uniform(-1.0, 1.0, n).astype(_F32)
         return {"x": x, "w": w, "wq": wq, "w_scale": w_scale, "w_colsum": w_colsum, "bias": bias}
 
-    def outputs(self, case: Case) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        return {"y": ((case["m"], case["n"]), np.dtype(np.float32))}
-
     def reference(self, case: Case, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
         """:func:`int8_linear_reference` (quantise x, exact integer GEMM, the fixed fp32 epilogue)."""
         outputs["y"][...] = int8_linear_reference(
             inputs["x"], inputs["wq"], inputs["w_scale"], inputs["w_colsum"], inputs["bias"]
         )
-
-    def kernel_args(self, case: Case, arrays: Mapping[str, np.ndarray]) -> list[Any]:
-        return [
-            case["m"],
-            case["n"],
-            case["k"],
-            arrays["x"],
-            arrays["wq"],
-            arrays["w_scale"],
-            arrays["w_colsum"],
-            arrays["bias"],
-            arrays["y"],
-        ]
 
     def tolerance(self, case: Case) -> tuple[float, float]:
         """The integer part is exact and every float operation is fixed in kind and order, so a correct kernel
@@ -217,23 +159,3 @@ class LinearInt8(KernelTask):
         moves a whole row of y by s * |W| (up to ~0.03), and a lost zero-point correction, bias or 64-wide
         k block moves most outputs by far more (checked in the tests)."""
         return (2.0**-20, float(np.sqrt(case["k"])) * _X_MAX * _W_MAX * 2.0**-20)
-
-    def work(self, case: Case) -> float:
-        """GOP of int8 multiply-adds, counted like GFLOP (2 m n k)."""
-        return 2.0 * case["m"] * case["n"] * case["k"] / 1e9
-
-    def descriptors(self) -> dict[str, Descriptor]:
-        return {
-            **super().descriptors(),
-            "c_block_ints": Descriptor(
-                "c_block_ints",
-                "int32 sums accumulated per block: MR * NR * 16 (VNNI) or AMX_MT * AMX_NT * 256 (AMX)",
-                lambda g, m: float(
-                    g.params.get("AMX_MT", 1) * g.params.get("AMX_NT", 1) * 256
-                    if g.params.get("ISA") == "AMX"
-                    else g.params.get("MR", 1) * g.params.get("NR", 1) * 16
-                ),
-                0.0,
-                1024.0,
-            ),
-        }

@@ -9,7 +9,7 @@ import numpy as np
 from pydantic import Field
 
 from genome import ChoiceParam, Genome, ParamSpace, Pow2Param
-from runtime.task import VALUE_KINDS, Case, Descriptor, KernelTask, TaskArgs
+from runtime.task import VALUE_KINDS, Case, Descriptor, KernelTask, Slot, TaskArgs
 from runtime.tasks._common import load_c_source
 
 __all__ = ["Softmax"]
@@ -29,6 +29,7 @@ class Softmax(KernelTask):
     unit = "GB/s"
     description = "fp32 softmax over the last axis of a [rows, cols] matrix, max-subtracted"
     signature = "void kernel(int rows, int cols, const float *x, float *y)"
+    slot = Slot("softmax")
     Args = SoftmaxArgs
     args: SoftmaxArgs
 
@@ -83,6 +84,10 @@ class Softmax(KernelTask):
         """Typical values, huge values (a kernel that does not subtract the row's max overflows), tiny,
         zero, signed-zero and subnormal ones (see runtime.task.VALUE_KINDS)."""
         return VALUE_KINDS
+
+    def slot_args(self, operands: Mapping[str, Any], out: np.ndarray) -> list[Any]:
+        x = operands["x"]
+        return [x.shape[0], x.shape[1], x, out]
 
     def kernel_args(self, case: Case, arrays: Mapping[str, np.ndarray]) -> list[Any]:
         return [case["rows"], case["cols"], arrays["x"], arrays["y"]]

@@ -11,7 +11,7 @@ from engine_helpers import embed_sorted
 from scipy.special import erf
 
 from genome import Genome
-from runtime.engine import SLOT_TASKS, EngineConfig, KernelSource, build_ops, numpy_ops
+from runtime.engine import EngineConfig, KernelSource, build_ops, numpy_ops, tasks_of_slot
 from runtime.engine.ops import np_bias_gelu, np_layernorm, np_softmax
 from runtime.settings import CompilerSettings
 from runtime.task import load_task_class
@@ -66,8 +66,8 @@ def _points(task_name: str) -> list[Genome]:
 
 
 def _kernel_ops(slot: str, genome: Genome, cache: str, task_name: str | None = None):
-    task = load_task_class(task_name or SLOT_TASKS[slot][0])()
-    ks = KernelSource(slot, genome.id, task.render(genome), tuple(task.compile_flags()), task.name)
+    task = load_task_class(task_name or tasks_of_slot(slot)[0])()
+    ks = KernelSource(slot, genome.id, task.render(genome), tuple(task.compile_flags()), task_name or task.name)
     return build_ops({slot: ks}, compiler=CompilerSettings(), cache_dir=cache)
 
 
@@ -250,3 +250,63 @@ def test_a_bf16_elite_on_a_cpu_without_bf16_falls_back_to_fp32(tmp_path, monkeyp
     finally:
         ops.close()
     assert "no avx512_bf16" in caplog.text
+
+
+_USER_TASK = '''
+import numpy as np
+from runtime.task import Slot
+from runtime.tasks.softmax import Softmax
+
+KERNEL = """
+#include <math.h>
+void kernel(float *y, const float *x, int cols, int rows) {  /* its own argument order */
+    for (int i = 0; i < rows; i++) {
+        const float *r = x + (long)i * cols; float *o = y + (long)i * cols; float m = r[0], s = 0.f;
+        for (int j = 1; j < cols; j++) m = r[j] > m ? r[j] : m;
+        for (int j = 0; j < cols; j++) { o[j] = expf(r[j] - m); s += o[j]; }
+        for (int j = 0; j < cols; j++) o[j] /= s;
+    }
+}
+"""
+
+
+class ReorderedSoftmax(Softmax):
+    name = "reordered_softmax"
+    signature = "void kernel(float *y, const float *x, int cols, int rows)"
+    slot = Slot("softmax")
+
+    def template(self):
+        return KERNEL
+
+    def kernel_args(self, case, arrays):
+        return [arrays["y"], arrays["x"], case["cols"], case["rows"]]
+
+    def slot_args(self, operands, out):
+        x = operands["x"]
+        return [out, x, x.shape[1], x.shape[0]]
+
+
+class NotASlot(Softmax):
+    name = "not_a_slot"
+    slot = None
+'''
+
+
+def test_a_users_task_declares_its_slot_and_how_it_is_called(tmp_path, monkeypatch):
+    """One task class is all a new slot kernel needs: the slot calls it in the task's own argument order."""
+    (tmp_path / "my_slot_task.py").write_text(_USER_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert tasks_of_slot("linear") == ("linear_bf16", "linear_int8")  # declared by the built-in tasks
+    assert tasks_of_slot("softmax") == ("softmax",)
+    ops = _kernel_ops("softmax", Genome(params={}), str(tmp_path), "my_slot_task:ReorderedSoftmax")
+    try:
+        x = RNG.standard_normal((40, 23)).astype(np.float32) * 4
+        np.testing.assert_allclose(ops.softmax(x), np_softmax(x.copy()), rtol=1e-5, atol=1e-7)
+    finally:
+        ops.close()
+    from runtime.engine.ops import c_slot
+
+    with pytest.raises(ValueError, match="fills the 'softmax' slot"):
+        c_slot("gelu", None, "my_slot_task:ReorderedSoftmax")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fills no engine slot"):
+        c_slot("softmax", None, "my_slot_task:NotASlot")  # type: ignore[arg-type]
