@@ -18,10 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp
 
 from serving import _archive_api, _embeddings
-from serving._errors import APIError, BodyLimit, install_error_handlers
+from serving._embeddings import model_ids
+from serving._errors import APIError, BodyLimit, errors, install_error_handlers
 from serving._kernels import KernelInvoker
 from serving._metrics import Metrics, RequestCounter
+from serving._openapi import install_openapi
 from serving._runner import EliteNotFound, EngineHost, ServeError
+from serving._runs import model_dir
 from serving._state import Limits, State
 
 __all__ = ["create_app"]
@@ -61,7 +64,8 @@ def admin_auth(request: Request) -> None:
 class SwitchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(max_length=64, description="an engine elite id or prefix of the served run, 'best' or 'default'")
+    id: str = Field(min_length=1, max_length=64, pattern=r"\S",
+                    description="an engine elite id or prefix of the served run, 'best' or 'default'")
 
 
 def _routes(app: FastAPI) -> None:
@@ -72,7 +76,7 @@ def _routes(app: FastAPI) -> None:
         """Alive (answers even while the engine loads or works)."""
         return {"status": "ok"}
 
-    @app.get("/ready", tags=["ops"], responses={503: {"description": "still loading"}})
+    @app.get("/ready", tags=["ops"], responses=errors(503))
     async def ready(request: Request) -> Any:
         """200 once the engine is loaded and warmed, 503 before."""
         state: State = request.app.state.serving
@@ -87,7 +91,8 @@ def _routes(app: FastAPI) -> None:
         """Prometheus text format."""
         return Response(request.app.state.serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/admin/elite", tags=["admin"], dependencies=[Depends(admin_auth)])
+    @app.post("/admin/elite", tags=["admin"], dependencies=[Depends(admin_auth)],
+              responses=errors(400, 401, 403, 404, 409, 413))
     async def switch(body: SwitchRequest, request: Request) -> JSONResponse:
         """Loads and warms another engine elite, then serves it; requests in flight finish on the old one."""
         state: State = request.app.state.serving
@@ -112,7 +117,8 @@ def create_app(run_dir: str | Path, *, elite: str = "best", api_key: str | None 
     state = State(host=EngineHost(run_dir, metrics, warmup=warmup),
                   kernels=KernelInvoker(run_dir, max_elements=limits.max_kernel_elements,
                                         timeout_s=limits.kernel_timeout_s),
-                  metrics=metrics, limits=limits, api_key=api_key or None, elite=elite)
+                  metrics=metrics, limits=limits, api_key=api_key or None, elite=elite,
+                  model_ids=model_ids(model_dir(run_dir)))
 
     def load() -> None:
         try:
@@ -136,4 +142,5 @@ def create_app(run_dir: str | Path, *, elite: str = "best", api_key: str | None 
     _routes(app)
     app.include_router(_embeddings.router, dependencies=[Depends(user_auth)])
     app.include_router(_archive_api.router, dependencies=[Depends(user_auth)])
+    install_openapi(app, limits, keyed=state.api_key is not None, model_ids=state.model_ids)
     return RequestCounter(BodyLimit(app, max_bytes=limits.max_body_bytes), metrics=metrics)

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.result import Status
 from runtime.task import load_task_class
-from serving._errors import APIError
+from serving._errors import APIError, errors
 from serving._runs import ID_PATTERN, candidate, open_store, stored_config
 from serving._state import State
 
 __all__ = ["router"]
 
 router = APIRouter(tags=["archive"])
-_ID = Path(description="a candidate id or unique prefix (hex)", max_length=64)
+_ID = Path(description="a candidate id or unique prefix (hex)", pattern=ID_PATTERN.pattern)
+StatusName = Literal[tuple(str(s) for s in Status)]  # type: ignore[valid-type]
 
 
 def _summary(c: Any) -> dict[str, Any]:
@@ -35,12 +36,10 @@ def _elites(state: State, task: str | None, top: int, status: str) -> dict[str, 
     return {"object": "list", "task": run_task, "data": [_summary(c) for c in cands]}
 
 
-@router.get("/v1/elites")
+@router.get("/v1/elites", responses=errors(400, 401))
 async def elites(request: Request, task: str | None = Query(None, max_length=200, description="only this task"),
-                 top: int = Query(10, ge=1, le=1000), status: str = Query("ok", max_length=32)) -> dict[str, Any]:
+                 top: int = Query(10, ge=1, le=1000), status: Annotated[StatusName, Query()] = "ok") -> dict[str, Any]:
     """The run's candidates: with ``status=ok`` (default) the fittest first, otherwise the newest first."""
-    if status not in {str(s) for s in Status}:
-        raise APIError(400, f"status must be one of {', '.join(str(s) for s in Status)}", param="status")
     return await asyncio.to_thread(_elites, request.app.state.serving, task, top, status)
 
 
@@ -58,7 +57,7 @@ def _elite(state: State, cid: str) -> dict[str, Any]:
     return {**_summary(cand), "task": cfg["task"]["name"], "source": source, "lineage": lineage}
 
 
-@router.get("/v1/elites/{id}")
+@router.get("/v1/elites/{id}", responses=errors(400, 401, 404))
 async def elite(request: Request, id: str = _ID) -> dict[str, Any]:
     """One candidate: params, rendered source, metrics and lineage (nearest ancestors first)."""
     if not ID_PATTERN.match(id):
@@ -75,7 +74,7 @@ class InvokeRequest(BaseModel):
     inputs: dict[str, Any] = Field(description="input name -> nested array, e.g. {\"A\": [[1, 2, 3], [4, 5, 6]]}")
 
 
-@router.post("/v1/kernels/{id}/invoke")
+@router.post("/v1/kernels/{id}/invoke", responses=errors(400, 401, 404, 409, 413, 422, 504))
 async def invoke(body: InvokeRequest, request: Request, id: str = _ID) -> dict[str, Any]:
     """Runs kernel elite ``id`` once on the inputs in a sandboxed worker and returns its outputs (and
     whether they match the task's reference within its tolerance)."""

@@ -6,22 +6,31 @@ import asyncio
 import base64
 import time
 from concurrent.futures import Future
-from typing import Any, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving._errors import APIError
+from serving._errors import APIError, errors
 from serving._runner import BatchInfo
 from serving._state import State
 
-__all__ = ["MODEL_IDS", "router"]
+__all__ = ["MODEL_IDS", "model_ids", "router"]
 
 router = APIRouter()
 MODEL_ID = "all-MiniLM-L6-v2"
 MODEL_IDS = (MODEL_ID, "sentence-transformers/all-MiniLM-L6-v2", "minilm", "evoforge-minilm")
+
+
+def model_ids(model_dir: Path | None) -> tuple[str, ...]:
+    """The ids the served model answers to: the bundled MiniLM's, or another encoder's directory name."""
+    return MODEL_IDS if model_dir is None else (model_dir.name,)
+
+
+Text = Annotated[str, Field(min_length=1)]
 
 
 class EmbeddingRequest(BaseModel):
@@ -29,10 +38,10 @@ class EmbeddingRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    input: str | list[str] = Field(description="a text or a list of texts")
-    model: str = Field(MODEL_ID, description=f"one of {', '.join(MODEL_IDS)}")
+    input: Text | list[Text] = Field(description="a text or a list of texts (at most the server's limits)")
+    model: str | None = Field(None, description="the served model's id or an alias (GET /v1/models); default: it")
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, description="must be the model's (384) if given")
+    dimensions: int | None = Field(None, description="must be the served model's (GET /v1/models) if given")
     user: str | None = None
 
 
@@ -50,7 +59,7 @@ def _check(body: EmbeddingRequest, state: State, dim: int) -> list[str]:
         if len(t) > lim.max_chars:
             raise APIError(400, f"input[{i}] has {len(t)} characters; at most {lim.max_chars}", param="input",
                            code="input_too_long")
-    if body.model not in MODEL_IDS:
+    if body.model is not None and body.model not in state.model_ids:
         raise APIError(404, f"model {body.model!r} is not served (GET /v1/models)", param="model",
                        code="model_not_found")
     if body.dimensions is not None and body.dimensions != dim:
@@ -76,9 +85,9 @@ def _awaitable(fut: Future[Any]) -> asyncio.Future[Any]:
     return out
 
 
-@router.post("/v1/embeddings", tags=["embeddings"])
+@router.post("/v1/embeddings", tags=["embeddings"], responses=errors(400, 401, 404, 413, 429, 503))
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    """Embeds the input texts (unit-norm, mean-pooled MiniLM) through the engine's dynamic batcher."""
+    """Embeds the input texts (pooled and normalised as the served model does) through the engine's batcher."""
     from runtime.engine import QueueFull
 
     state: State = request.app.state.serving
@@ -127,18 +136,18 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     headers = {f"x-{k}-ms": f"{v * 1000:.3f}" for k, v in timing.items()}
     headers["server-timing"] = ", ".join(f"{k};dur={v * 1000:.3f}" for k, v in timing.items())
     headers["x-elite-id"] = runner.served.elite or "default"
-    return JSONResponse({"object": "list", "data": data, "model": body.model,
+    return JSONResponse({"object": "list", "data": data, "model": body.model or state.model_ids[0],
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers=headers)
 
 
-@router.get("/v1/models", tags=["embeddings"])
+@router.get("/v1/models", tags=["embeddings"], responses=errors(401))
 async def models(request: Request) -> dict[str, Any]:
     """The served model (one id; aliases accepted by /v1/embeddings are listed in ``aliases``)."""
     state: State = request.app.state.serving
     runner = state.host.current
     served = runner.served if runner else None
     return {"object": "list", "data": [{
-        "id": MODEL_ID, "object": "model", "created": int(state.started), "owned_by": "evoforge",
-        "aliases": list(MODEL_IDS[1:]), "dimensions": runner.engine.dim if runner else None,
+        "id": state.model_ids[0], "object": "model", "created": int(state.started), "owned_by": "evoforge",
+        "aliases": list(state.model_ids[1:]), "dimensions": runner.engine.dim if runner else None,
         "elite": served.elite if served else None, "serving": served.note if served else "loading",
         "run_dir": str(state.host.run_dir)}]}

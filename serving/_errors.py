@@ -12,10 +12,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["APIError", "BodyLimit", "error_body", "install_error_handlers"]
+__all__ = ["APIError", "BodyLimit", "ErrorResponse", "error_body", "errors", "install_error_handlers"]
 
 _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 409: "conflict_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
@@ -34,6 +35,38 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status,
                             headers=self.headers)
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="what was wrong, and how to fix it")
+    type: str = Field(description="OpenAI's error class, e.g. invalid_request_error, rate_limit_error")
+    param: str | None = Field(description="the request field at fault, if one is")
+    code: str | None = Field(description="a stable machine-readable code, e.g. invalid_value, queue_full")
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer of the server (OpenAI's format)."""
+
+    error: ErrorDetail
+
+
+_MEANINGS = {
+    400: "the request is malformed or breaks a rule of this endpoint (`error.param` names the field)",
+    401: "the API key is missing or wrong (send `Authorization: Bearer KEY`)",
+    403: "admin is disabled: the server was started without an API key",
+    404: "no such model, candidate or elite",
+    409: "conflict: another switch is in progress, or the candidate is not ok",
+    413: "the request body is larger than the server accepts",
+    422: "the kernel ran and failed on these inputs",
+    429: "overloaded: too many requests in flight, or the engine's queue is full; retry later",
+    503: "the engine is still loading (or failed to load: see /ready)",
+    504: "the kernel did not answer in time",
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` of a route answering these error statuses, each with the error body."""
+    return {s: {"model": ErrorResponse, "description": _MEANINGS[s]} for s in statuses}
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

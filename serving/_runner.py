@@ -129,10 +129,10 @@ class EngineHost:
         from archive import read_run
         from runtime.engine import EngineConfig, RunNotFound, elite_task, load_model
         from runtime.engine.hosted import spawn_host
-        from serving._runs import resolve_engine_elite
+        from serving._runs import model_dir, resolve_engine_elite
 
         if self.model is None:
-            self.model = load_model()
+            self.model = load_model(model_dir(self.run_dir))
         eid, note = resolve_engine_elite(self.run_dir, elite)
         if eid is None:
             config, spec = EngineConfig(), {}

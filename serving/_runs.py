@@ -12,8 +12,8 @@ from typing import Any
 from archive import RunView, Store, StoreError
 
 __all__ = [
-    "ID_PATTERN", "candidate", "is_engine_run", "open_run", "open_store", "resolve_engine_elite", "run_task",
-    "stored_config",
+    "ID_PATTERN", "candidate", "is_engine_run", "model_dir", "open_run", "open_store", "resolve_engine_elite",
+    "run_task", "stored_config",
 ]
 
 ID_PATTERN = re.compile(r"^[0-9a-fA-F]{1,64}$")  # a candidate id or prefix: hex only, never a path
@@ -70,6 +70,16 @@ def is_engine_run(run_dir: Path) -> bool:
     except ImportError:
         return False
     return issubclass(load_task_class(run_task(run_dir)), EngineTask)
+
+
+def model_dir(run_dir: Path) -> Path | None:
+    """The encoder an engine run evolved engines for (its task's ``model_dir``); ``None``: the bundled one."""
+    import os
+
+    if not is_engine_run(run_dir):
+        return None
+    given = (stored_config(run_dir)["task"].get("args") or {}).get("model_dir")
+    return Path(os.path.join(run_dir, given)) if isinstance(given, str) else None
 
 
 def resolve_engine_elite(run_dir: Path, elite: str) -> tuple[str | None, str]:

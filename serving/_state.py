@@ -35,6 +35,7 @@ class State:
     limits: Limits
     api_key: str | None
     elite: str  # what to serve at start-up
+    model_ids: tuple[str, ...] = ()  # the served model's id, then its aliases
     in_flight: int = 0
     started: float = field(default_factory=time.time)
     load_error: str | None = None
