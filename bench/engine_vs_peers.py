@@ -5,10 +5,16 @@ same request texts, same closed-loop concurrency.
     python bench/engine_vs_peers.py --config configs/engine_minilm.yaml   # runs the search first
 
 Peers (each behind the same kind of queue, taking what is queued up to --batch requests):
-sentence-transformers (torch, a plain batching loop over ``encode``), ONNX Runtime on the same model
-exported to ONNX, in fp32 and with dynamic int8 quantisation (per tensor, its default; and per channel).
-Prints sentences/s, the ratio to sentence-transformers, p50/p99 latency and each one's minimum cosine
-to the fp32 reference (sentence-transformers). Needs the ``bench`` and ``engine`` extras.
+sentence-transformers (torch, a plain batching loop over ``encode``); sentence-transformers on OpenVINO
+(``backend="openvino"``, exported offline from the same model; the CPU backend sentence-transformers
+recommends), in fp32 and with int8 weights where its compression runs offline; ONNX Runtime on the
+same model exported to ONNX, in fp32 and with dynamic int8 quantisation (per tensor, its default; and
+per channel); FastEmbed on that ONNX export (a local model: nothing downloaded). A peer that cannot run
+here is listed with the reason. Two measures, side by side in one run: serving (closed-loop clients at
+the task's concurrency: sentences/s and p50/p99 latency) and bulk (``--bulk`` texts embedded at once,
+each contestant's own batching). Prints each one's minimum cosine to the fp32 reference
+(sentence-transformers) too. Needs the ``bench`` and ``engine`` extras, and ``peers`` for OpenVINO
+and FastEmbed.
 """
 
 from __future__ import annotations
@@ -111,6 +117,75 @@ def onnx_peers(st: Any, threads: int, tmp: str, tokenizer: Any) -> dict[str, Emb
     return {label: make(p) for label, p in paths.items()}
 
 
+def openvino_peers(model_dir: Path, threads: int, tmp: str) -> tuple[dict[str, Embed], dict[str, str]]:
+    """sentence-transformers on OpenVINO, fp32 and int8 weights (exported from a copy of the local model:
+    the package's directory may be read-only); and why any of them cannot run."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    peers: dict[str, Embed] = {}
+    skipped: dict[str, str] = {}
+    local = Path(tmp) / "minilm-openvino"
+    shutil.copytree(model_dir, local)
+    config = {"INFERENCE_NUM_THREADS": str(threads), "PERFORMANCE_HINT": "LATENCY"}
+    for label, extra in (("openvino fp32", {}), ("openvino int8 weights", {"load_in_8bit": True})):
+        try:
+            ov = SentenceTransformer(str(local), device="cpu", backend="openvino",
+                                     model_kwargs={"ov_config": config, **extra})  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run offline is reported, not fatal
+            skipped[f"sentence-transformers {label}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            continue
+        peers[f"sentence-transformers {label}"] = (
+            lambda batch, m=ov: m.encode(batch, batch_size=len(batch), normalize_embeddings=True,
+                                         convert_to_numpy=True))  # fmt: skip
+    return peers, skipped
+
+
+def fastembed_peer(onnx_path: str, model_dir: Path, threads: int, tmp: str) -> tuple[dict[str, Embed], dict[str, str]]:
+    """FastEmbed on the ONNX export, registered as a local custom model (its tokenizer files beside it)."""
+    import shutil
+
+    try:
+        from fastembed import TextEmbedding
+        from fastembed.common.model_description import ModelSource, PoolingType
+    except ImportError as exc:
+        return {}, {"fastembed": f"not installed ({exc.name}): pip install -c constraints.txt -e '.[peers]'"}
+    local = Path(tmp) / "minilm-fastembed"
+    local.mkdir()
+    shutil.copy(onnx_path, local / "model.onnx")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json", "vocab.txt"):
+        shutil.copy(model_dir / name, local / name)
+    try:
+        TextEmbedding.add_custom_model(model="local/all-MiniLM-L6-v2", pooling=PoolingType.MEAN, normalization=True,
+                                       sources=ModelSource(hf="local/all-MiniLM-L6-v2"), dim=384,
+                                       model_file="model.onnx")  # fmt: skip
+        fe = TextEmbedding("local/all-MiniLM-L6-v2", specific_model_path=str(local), threads=threads)
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        return {}, {"fastembed": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    return {"fastembed (onnx fp32)": lambda batch: np.stack(list(fe.embed(batch, batch_size=len(batch))))}, {}
+
+
+def bulk(embed: Embed, texts: list[str], batch: int) -> float:
+    """Sentences/s of ``embed`` over all of ``texts``, ``batch`` at a time."""
+    t0 = time.perf_counter()
+    for i in range(0, len(texts), batch):
+        embed(texts[i : i + batch])
+    return len(texts) / (time.perf_counter() - t0)
+
+
+def engine_bulk(engine: Any, texts: list[str]) -> float:
+    """Sentences/s of the engine over all of ``texts`` submitted at once to its own batcher and workers."""
+    engine.start()
+    try:
+        t0 = time.perf_counter()
+        for fut in [engine.submit(t) for t in texts]:
+            fut.result()
+        return len(texts) / (time.perf_counter() - t0)
+    finally:
+        engine.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
@@ -123,6 +198,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, help="measured seconds per contestant [default: the run's]")
     ap.add_argument("--batch", type=int, default=32, help="peers' max batch size")
     ap.add_argument("--rounds", type=int, default=3, help="measurements of each contestant, interleaved")
+    ap.add_argument("--bulk", type=int, default=512, help="texts of the bulk measure (0: none)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     seconds = run_search(args.config, args.out, args.max_evals) if args.config else None
@@ -151,6 +227,10 @@ def main() -> None:
     load = {"concurrency": a.concurrency, "duration_s": duration, "warmup_s": a.warmup_s}
     with tempfile.TemporaryDirectory() as tmp, pinned(None, threads) as cores:
         peers: dict[str, Embed] = {"sentence-transformers": st_embed, **onnx_peers(st, threads, tmp, model.tokenizer)}
+        ov, skipped = openvino_peers(model.path, threads, tmp)
+        fe, fe_skipped = fastembed_peer(os.path.join(tmp, "minilm.onnx"), model.path, threads, tmp)
+        peers.update({**ov, **fe})
+        skipped.update(fe_skipped)
         # the elite as evolved, and with its workers of the other kind: threads vs processes, side by side
         kind = task.engine_config(cand.genome).worker_kind
         other = "process" if kind == "thread" else "thread"
@@ -175,26 +255,51 @@ def main() -> None:
             for name, embed in peers.items():
                 with Batcher(lambda items, f=embed: list(f(items)), max_batch=args.batch, token_budget=1 << 30) as b:
                     runs[name].append(closed_loop(b.submit, texts, **load))
+        # bulk: many short texts at once, each contestant batching its own way, in interleaved rounds too
+        fresh = task.fresh_texts(salt=11)
+        bulk_texts = [fresh[i] for i in range(args.bulk)]
+        bulk_runs: dict[str, list[float]] = {name: [] for name in similarity}
+        for _ in range(args.rounds if bulk_texts else 0):
+            for name, engine in engines.items():
+                bulk_runs[name].append(engine_bulk(engine, bulk_texts))
+            for name, embed in peers.items():
+                bulk_runs[name].append(bulk(embed, bulk_texts, args.batch))
         for e in engines.values():
             e.close()
-    rows = [{"name": name, "min_cosine": similarity[name], **median_figures(rs)} for name, rs in runs.items()]
+    rows = [{"name": name, "min_cosine": similarity[name], **median_figures(rs),
+             "bulk": float(np.median(bulk_runs[name])) if bulk_runs[name] else None} for name, rs in runs.items()]
     base = next(r["throughput"] for r in rows if r["name"] == "sentence-transformers")
     for r in rows:
         r["vs_sentence_transformers"] = r["throughput"] / base if base else None
+    ours = [r for r in rows if r["name"].startswith("evoforge")]
+    theirs = [r for r in rows if not r["name"].startswith("evoforge") and r["min_cosine"] >= 0.99]
+    versus = {}
+    for measure in ("throughput", "bulk"):
+        if theirs and ours and all(r[measure] for r in ours + theirs):
+            best, peer = max(ours, key=lambda r: r[measure]), max(theirs, key=lambda r: r[measure])
+            versus[measure] = {"ours": best["name"], "peer": peer["name"], "ratio": best[measure] / peer[measure]}
     out = {"run_dir": str(run_dir), "engine": cand.id, "params": cand.genome.params, "threads": threads,
            "cores": sorted(cores), "concurrency": a.concurrency, "lengths": a.lengths, "texts": len(texts),
-           "duration_s": duration, "rounds": args.rounds, "peer_batch": args.batch, "search_s": seconds, "rows": rows}
+           "duration_s": duration, "rounds": args.rounds, "peer_batch": args.batch, "search_s": seconds, "rows": rows,
+           "bulk_texts": len(bulk_texts), "versus_strongest_peer": versus, "skipped": skipped}
     if args.json:
         print(json.dumps(out, indent=2))
         return
     print(f"MiniLM embeddings under {a.concurrency} closed-loop clients, {threads} thread(s) on cores {sorted(cores)}, "
           f"{len(texts)} texts, lengths {dict(a.lengths)}, {duration:g} s each, median of {args.rounds} rounds")
     print(f"engine {cand.id[:12]}: {' '.join(f'{k}={v}' for k, v in cand.genome.params.items())}")
-    print("| engine | sentences/s | vs sentence-transformers | p50 ms | p99 ms | min cosine to fp32 |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"| engine | sentences/s | vs sentence-transformers | p50 ms | p99 ms | bulk sentences/s ({len(bulk_texts)} "
+          "texts) | min cosine to fp32 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        b = f"{r['bulk']:.1f}" if r["bulk"] else "-"
         print(f"| {r['name']} | {r['throughput']:.1f} | {r['vs_sentence_transformers']:.2f}x | {r['p50_ms']:.1f} | "
-              f"{r['p99_ms']:.1f} | {r['min_cosine']:.5f} |")
+              f"{r['p99_ms']:.1f} | {b} | {r['min_cosine']:.5f} |")
+    for measure, v in versus.items():
+        print(f"{measure}: {v['ours']} is {v['ratio']:.2f}x the strongest peer at min cosine >= 0.99 ({v['peer']}); "
+              f"1.5x is {1.5 / v['ratio']:.2f}x further")
+    for name, why in skipped.items():
+        print(f"not run: {name}: {why}")
 
 
 if __name__ == "__main__":
