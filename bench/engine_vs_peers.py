@@ -80,7 +80,9 @@ def onnx_peers(st: Any, threads: int, tmp: str, tokenizer: Any) -> dict[str, Emb
             self.bert = bert
 
         def forward(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
-            return self.bert(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+            # the additive [n, 1, 1, L] mask, made here: transformers' own mask builders do not trace
+            additive = (1.0 - mask[:, None, None, :].to(torch.float32)) * torch.finfo(torch.float32).min
+            return self.bert(input_ids=ids, attention_mask=additive, token_type_ids=types).last_hidden_state
 
     fp32 = os.path.join(tmp, "minilm.onnx")
     names = ["input_ids", "attention_mask", "token_type_ids"]

@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 from evo.check_cli import check, require_backend  # noqa: E402 - a command in its own module
+from evo.factory_cli import factory  # noqa: E402 - a command group in its own module
 from evo.memory_cli import memory  # noqa: E402 - a command group in its own module
 from evo.report_cli import dashboard, report  # noqa: E402 - commands in their own module
 from evo.serve_cli import serve  # noqa: E402 - a command in its own module
@@ -321,3 +322,4 @@ cli.add_command(check)
 cli.add_command(serve)
 cli.add_command(report)
 cli.add_command(dashboard)
+cli.add_command(factory)

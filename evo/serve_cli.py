@@ -13,7 +13,9 @@ __all__ = ["serve"]
 
 
 @click.command()
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=click.Path(path_type=Path), required=False)
+@click.option("--follow", "follow", metavar="FACTORY_DIR", type=click.Path(path_type=Path),
+              help="serve what the factory in FACTORY_DIR promotes, swapping to each new promotion (no RUN_DIR)")
 @click.option("--elite", default="best", show_default=True,
               help="engine elite id (or unique prefix), 'best', or 'default' (the default engine configuration)")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to bind (loopback by default)")
@@ -26,19 +28,22 @@ __all__ = ["serve"]
               help="seconds to finish in-flight requests after SIGTERM")
 @click.option("--warmup", default=8, show_default=True, type=click.IntRange(min=1),
               help="texts run through an engine before it serves (at start-up and on a switch)")
-def serve(run_dir: Path, elite: str, host: str, port: int, api_key_env: str | None, max_in_flight: int,
-          drain_timeout: float, warmup: int) -> None:
+def serve(run_dir: Path | None, follow: Path | None, elite: str, host: str, port: int, api_key_env: str | None,
+          max_in_flight: int, drain_timeout: float, warmup: int) -> None:
     """Serve RUN_DIR's engine elite: OpenAI-compatible /v1/embeddings, archive queries, kernel invocation,
     /health, /ready, /metrics. A run that is not an engine run (or has no ok engine candidate) is served
-    with the default engine configuration, and says so. SIGTERM drains in-flight requests, then exits 0."""
+    with the default engine configuration, and says so. SIGTERM drains in-flight requests, then exits 0.
+    With --follow FACTORY_DIR, serves the factory's latest promotion and swaps to each new one."""
     try:
         from serving import Limits, ServeError
         from serving import serve as run_server
     except ImportError as exc:
         raise UserError(f"evo serve needs the serve extra ({exc.name} is missing): "
                         "pip install -c constraints.txt -e '.[serve,engine]'") from None
+    if (run_dir is None) == (follow is None):
+        raise UserError("give either RUN_DIR or --follow FACTORY_DIR (see evo serve --help)")
     try:
-        code = run_server(run_dir, elite=elite, host=host, port=port, api_key_env=api_key_env,
+        code = run_server(run_dir, follow=follow, elite=elite, host=host, port=port, api_key_env=api_key_env,
                           limits=Limits(max_in_flight=max_in_flight), drain_timeout=drain_timeout,
                           warmup=warmup)
     except ServeError as exc:

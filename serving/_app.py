@@ -109,8 +109,9 @@ def _routes(app: FastAPI) -> None:
 
 
 def create_app(run_dir: str | Path, *, elite: str = "best", api_key: str | None = None,
-               limits: Limits | None = None, warmup: int = 8) -> ASGIApp:
-    """The serving app for ``run_dir``; the engine (``elite``) loads in the background at start-up."""
+               limits: Limits | None = None, warmup: int = 8, follow: Path | None = None) -> ASGIApp:
+    """The serving app for ``run_dir``; the engine (``elite``) loads in the background at start-up. With
+    ``follow`` (a factory directory), it then swaps to each engine the factory promotes."""
     run_dir = Path(run_dir)
     limits = limits or Limits()
     metrics = Metrics()
@@ -127,10 +128,20 @@ def create_app(run_dir: str | Path, *, elite: str = "best", api_key: str | None 
             state.load_error = f"{type(exc).__name__}: {exc}"
             log.exception("cannot load the engine")
 
+    follower = None
+    if follow is not None:
+        from serving._follow import Follower
+
+        follower = Follower(state.host, follow, {"run_dir": str(run_dir), "elite": elite})
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         threading.Thread(target=load, name="evoforge-load", daemon=True).start()
+        if follower is not None:
+            follower.start()
         yield
+        if follower is not None:
+            follower.stop()
         await asyncio.to_thread(state.host.close)  # finishes every queued text
         await asyncio.to_thread(state.kernels.close)
 

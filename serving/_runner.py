@@ -153,10 +153,18 @@ class EngineHost:
             raise
         return runner
 
-    def switch(self, elite: str) -> Served:
-        """Builds and warms ``elite``, then serves it; the old engine drains in the background."""
+    def switch(self, elite: str, run_dir: Path | None = None) -> Served:
+        """Builds and warms ``elite`` (of ``run_dir``: another run of the same model, as a factory promotes
+        them; default the one served), then serves it; the old engine drains in the background."""
         with self._swap:
-            runner = self.build(elite)
+            served_dir = self.run_dir
+            if run_dir is not None:
+                self.run_dir = Path(run_dir)
+            try:
+                runner = self.build(elite)
+            except BaseException:
+                self.run_dir = served_dir
+                raise
             old, self.current = self.current, runner
         log.info("serving %s", runner.served.note)
         if old is not None:

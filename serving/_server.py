@@ -37,10 +37,11 @@ def _check_port(host: str, port: int) -> None:
             raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror} (choose another --port)") from None
 
 
-def serve(run_dir: str | Path, *, elite: str = "best", host: str = "127.0.0.1", port: int = 8000,
+def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0.0.1", port: int = 8000,
           api_key_env: str | None = None, limits: Limits | None = None, drain_timeout: float = 30.0,
-          warmup: int = 8) -> int:
-    """Serves ``run_dir`` until a signal; returns the exit code (0 after a graceful SIGTERM).
+          warmup: int = 8, follow: str | Path | None = None) -> int:
+    """Serves ``run_dir`` until a signal; returns the exit code (0 after a graceful SIGTERM). With ``follow``
+    (a factory directory; no ``run_dir``), serves its latest promotion and swaps to each new one.
 
     Raises :class:`ServeError` for what the user can fix (no run, unknown elite, missing key, busy port).
     """
@@ -48,6 +49,18 @@ def serve(run_dir: str | Path, *, elite: str = "best", host: str = "127.0.0.1", 
 
     from serving._app import create_app
 
+    if follow is not None:
+        from serving._follow import latest_promotion
+
+        follow = Path(follow)
+        if not (follow / "factory.yaml").is_file():
+            raise ServeError(f"no factory in {follow} (expected {follow / 'factory.yaml'}): give a factory directory")
+        latest = latest_promotion(follow)
+        if latest is None:
+            raise ServeError(f"{follow} has promoted no engine yet: evo factory status {follow} says where it is")
+        run_dir, elite = latest["run_dir"], latest["elite"]
+    if run_dir is None:
+        raise ServeError("give a RUN_DIR to serve, or --follow FACTORY_DIR")
     run_dir = Path(run_dir)
     if not (run_dir / "archive.db").is_file():
         raise ServeError(f"no run in {run_dir} (expected {run_dir / 'archive.db'}): give the directory of an evo run")
@@ -66,7 +79,8 @@ def serve(run_dir: str | Path, *, elite: str = "best", host: str = "127.0.0.1", 
         log.info("no API key: /v1 is open and /admin is disabled (use --api-key-env NAME)")
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("listening on %s without an API key: anyone who reaches this port can use the API", host)
-    app = create_app(run_dir, elite=elite, api_key=api_key, limits=limits, warmup=warmup)
+    app = create_app(run_dir, elite=elite, api_key=api_key, limits=limits, warmup=warmup,
+                     follow=Path(follow) if follow is not None else None)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain_timeout, log_level="info",
                             access_log=False, lifespan="on")
     server = uvicorn.Server(config)

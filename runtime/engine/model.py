@@ -212,10 +212,10 @@ class Model:
         q = np.ascontiguousarray(qkv[:, :, 0].transpose(0, 2, 1, 3))  # [n, nh, L, d]; pre-scaled
         k_t = np.ascontiguousarray(qkv[:, :, 1].transpose(0, 2, 3, 1))  # [n, nh, d, L]
         v = np.ascontiguousarray(qkv[:, :, 2].transpose(0, 2, 1, 3))  # [n, nh, L, d]
-        scores = np.matmul(q, k_t)  # [n, nh, L, L]
+        scores = ops.attention(q, k_t)  # [n, nh, L, L]
         scores += bias
         probs = ops.softmax(scores.reshape(-1, longest)).reshape(scores.shape)
-        ctx = np.matmul(probs, v).transpose(0, 2, 1, 3).reshape(n * longest, h)  # [n * L, H]
+        ctx = ops.attention(probs, v).transpose(0, 2, 1, 3).reshape(n * longest, h)  # [n * L, H]
         if flat is not None:
             ctx = ctx[flat]
         attn = ops.linear(ctx, w.w_out, w.b_out)

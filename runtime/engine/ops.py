@@ -115,6 +115,7 @@ class Ops:
     gelu: Callable[[np.ndarray, np.ndarray], np.ndarray] = np_bias_gelu
     linear: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] = np_linear
     matmul: Callable[[np.ndarray, np.ndarray], np.ndarray] = np_matmul
+    attention: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.matmul  # the attention's batched matmuls
     kernels: dict[str, CKernel] = field(default_factory=dict)
 
     def close(self) -> None:

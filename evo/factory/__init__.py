@@ -1,0 +1,7 @@
+"""The engine factory: one long-running job from a model to a promoted engine that keeps getting faster
+(``evo factory CONFIG``; see :mod:`evo.factory.run`)."""
+
+from evo.factory.config import FactoryConfig, load_factory_config
+from evo.factory.run import Factory, read_promotions
+
+__all__ = ["Factory", "FactoryConfig", "load_factory_config", "read_promotions"]

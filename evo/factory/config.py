@@ -1,0 +1,84 @@
+"""A factory's YAML config: the model, the load it serves, the budget and how it plans, promotes and serves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from evo.errors import UserError
+
+__all__ = ["FactoryConfig", "load_factory_config"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoadConfig(_Model):
+    """The serving load every engine is measured under (the engine task's arguments of the same names)."""
+
+    threads: int = Field(2, ge=1, description="cores an engine runs on")
+    concurrency: int = Field(8, ge=1, description="closed-loop clients")
+    duration_s: float = Field(3.0, gt=0, description="measured seconds of one load round")
+    warmup_s: float = Field(0.5, ge=0, description="unmeasured seconds before it")
+    texts: int = Field(256, ge=8, description="request texts of the search")
+    lengths: dict[int, float] = Field(default_factory=lambda: {16: 0.6, 48: 0.3, 128: 0.1},
+                                      description="token length -> share of the requests")  # fmt: skip
+    p99_budget_ms: float = Field(250.0, gt=0, description="an engine over this p99 is never promoted")
+
+
+class BudgetConfig(_Model):
+    rounds: int = Field(2, ge=1, description="profile -> plan -> searches -> promotion, this many times")
+    kernel_evals: int = Field(60, ge=1, description="kernel evaluations per round, shared by the slots' searches")
+    engine_evals: int = Field(30, ge=1, description="engine evaluations per round")
+    min_evals: int = Field(6, ge=1, description="evaluations a planned kernel search gets at least")
+
+
+class PlanConfig(_Model):
+    min_share: float = Field(0.05, ge=0, lt=1, description="a slot under this share of the time gets no search")
+    slots: list[str] = Field(default_factory=lambda: ["linear", "gelu", "layernorm", "softmax"],
+                             description="slots the factory may search kernels for")  # fmt: skip
+    stagnation: float = Field(0.02, ge=0, description="a slot whose last search gained less (relative) is "
+                                                      "not searched again")  # fmt: skip
+
+
+class PromoteConfig(_Model):
+    held_out_texts: int = Field(64, ge=8, description="texts the searches never saw, for the similarity check")
+    similarity_floor: float = Field(0.99, gt=0, le=1, description="min cosine to the fp32 engine on them")
+    rounds: int = Field(3, ge=1, description="alternating load rounds of the candidate and the incumbent")
+    duration_s: float = Field(4.0, gt=0, description="measured seconds of each of those rounds")
+    min_gain: float = Field(0.0, ge=-1, description="promoted only when faster than the incumbent by more than this "
+                                                  "(relative; below 0 accepts a loss that small)")
+
+
+class FactoryConfig(_Model):
+    name: str | None = Field(None, description="factory name (default: the config file's stem); factories/<name>")
+    model_dir: str | None = Field(None, description="a BERT sentence encoder's directory (default: the bundled "
+                                                    "all-MiniLM-L6-v2)")  # fmt: skip
+    load: LoadConfig = Field(default_factory=LoadConfig)
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    plan: PlanConfig = Field(default_factory=PlanConfig)
+    promote: PromoteConfig = Field(default_factory=PromoteConfig)
+    seed: int = Field(0, description="seed of every search")
+
+
+def load_factory_config(path: Path) -> FactoryConfig:
+    """The config at ``path``; a missing file or an invalid key is one :class:`UserError` line."""
+    try:
+        raw: Any = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path} is not valid YAML: {exc}") from None
+    try:
+        config = FactoryConfig.model_validate(raw or {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise UserError(f"{path}: {where}: {first['msg']}") from None
+    if config.model_dir is not None and not Path(config.model_dir).is_absolute():
+        config = config.model_copy(update={"model_dir": str(Path(config.model_dir).resolve())})  # as evo run: cwd
+    return config

@@ -1,0 +1,72 @@
+"""The run configs of a factory's searches: a kernel search per slot task, at the model's own shapes, and the
+engine search offered those kernel runs, under the factory's load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from evo.factory.config import FactoryConfig
+from runtime.engine.model import ModelConfig
+
+__all__ = ["engine_run_config", "kernel_run_config"]
+
+
+def _shapes(task: str, model: ModelConfig) -> tuple[dict[str, int], list[str], list[int]]:
+    """The timed case at the model's shapes, the archive's descriptors and bins, per built-in slot task."""
+    h, i = model.hidden, model.intermediate
+    if task == "layernorm":
+        return {"rows": 2048, "cols": h}, ["vector_width"], [4]
+    if task == "gelu":
+        return {"rows": 2048, "cols": i}, ["vector_width"], [4]
+    if task == "softmax":  # rows of attention scores over a typical padded batch length
+        return {"rows": 4096, "cols": min(128, model.max_tokens)}, ["vector_width", "rows_per_block"], [4, 4]
+    if task == "linear_bf16":
+        return {"m": 256, "k": h, "n": i}, ["c_block_floats"], [4]
+    if task == "linear_int8":
+        return {"m": 256, "k": h, "n": i}, ["c_block_ints"], [4]
+    raise ValueError(f"the factory has no kernel search for task {task!r}")
+
+
+def kernel_run_config(task: str, config: FactoryConfig, model: ModelConfig, max_evals: int) -> dict[str, Any]:
+    args, descriptors, bins = _shapes(task, model)
+    return {
+        "task": {"name": task, "args": {**args, "threads": 1}},
+        "search": {"seed": config.seed, "initial_random": 8},
+        "budget": {"max_evals": max_evals},
+        "archive": {"kind": "grid", "descriptors": descriptors, "bins": bins if len(bins) > 1 else bins[0]},
+    }
+
+
+def engine_run_config(config: FactoryConfig, kernel_runs: dict[str, Path]) -> dict[str, Any]:
+    """The engine search: the factory's load, offered the top 2 elites of each kernel run by its slot."""
+    from runtime.engine.ops import slot_task
+
+    by_slot: dict[str, list[dict[str, Any]]] = {}
+    for task, run_dir in sorted(kernel_runs.items()):
+        slot = next(s for s in ("layernorm", "softmax", "gelu", "linear") if _fills(slot_task, s, task))
+        by_slot.setdefault(slot, []).append({"run_dir": str(run_dir), "top": 2})
+    load = config.load
+    args: dict[str, Any] = {
+        "threads": load.threads, "concurrency": load.concurrency, "duration_s": load.duration_s,
+        "warmup_s": load.warmup_s, "texts": load.texts, "lengths": dict(load.lengths),
+        "p99_budget_ms": load.p99_budget_ms, "similarity_floor": config.promote.similarity_floor,
+        "kernels": {slot: runs[0] if len(runs) == 1 else runs for slot, runs in by_slot.items()},
+    }  # fmt: skip
+    if config.model_dir:
+        args["model_dir"] = config.model_dir
+    return {
+        "task": {"name": "engine", "args": args},
+        "search": {"seed": config.seed, "initial_random": 4},
+        "budget": {"max_evals": config.budget.engine_evals},
+        "archive": {"descriptors": ["p99_ms", "memory_mb"], "bins": [4, 4],
+                    "ranges": [[0, load.p99_budget_ms], [0, 4096]]},
+    }  # fmt: skip
+
+
+def _fills(slot_task: Any, slot: str, task: str) -> bool:
+    try:
+        slot_task(slot, task)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,88 @@
+"""The plan of a round: which slots get a kernel search, with how many evaluations, and why.
+
+A slot's budget follows its share of the engine's time, which is what a faster kernel there could
+save; a slot under ``plan.min_share`` gets none, nor one whose kernels this CPU cannot run, nor one
+whose last search stagnated. Every decision carries its reason, stored with the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+from evo.factory.config import FactoryConfig
+from runtime.engine.profile import Profile
+
+__all__ = ["Plan", "Search", "make_plan", "slot_task_for"]
+
+
+@dataclass(frozen=True)
+class Search:
+    slot: str
+    task: str
+    evals: int  # evaluations this round adds to the slot's run
+    share: float  # the slot's share of the engine's time
+    why: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    round: int
+    searches: tuple[Search, ...]
+    skipped: dict[str, str]  # slot -> why it gets no search this round
+
+    def to_dict(self) -> dict:
+        return {"round": self.round, "searches": [asdict(s) for s in self.searches], "skipped": dict(self.skipped)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Plan:
+        return cls(round=d["round"], searches=tuple(Search(**s) for s in d["searches"]), skipped=dict(d["skipped"]))
+
+
+def slot_task_for(slot: str, cpu_flags: Sequence[str], hidden: int, intermediate: int) -> tuple[str | None, str]:
+    """The built-in task to search for ``slot`` on this CPU and model, or ``None`` and why not."""
+    from runtime.engine.ops import slot_task, tasks_of_slot
+
+    reasons = []
+    for name in tasks_of_slot(slot):
+        spec = slot_task(slot, name).slot
+        assert spec is not None
+        if spec.cpu_flag is not None and spec.cpu_flag not in cpu_flags:
+            reasons.append(f"{name} needs {spec.cpu_flag}, which this CPU lacks")
+            continue
+        if slot == "linear" and (hidden % spec.k_multiple or intermediate % spec.k_multiple
+                                 or hidden % spec.n_multiple or intermediate % spec.n_multiple):  # fmt: skip
+            reasons.append(f"{name} takes sizes in multiples of {spec.k_multiple} (k) and {spec.n_multiple} (n); "
+                           f"the model's are {hidden} and {intermediate}")  # fmt: skip
+            continue
+        return name, ""
+    return None, "; ".join(reasons) or f"no built-in task fills the {slot} slot"
+
+
+def make_plan(round_: int, profile: Profile, config: FactoryConfig, *, cpu_flags: Sequence[str], hidden: int,
+              intermediate: int, gains: Mapping[str, float | None] | None = None) -> Plan:  # fmt: skip
+    """The round's searches: ``budget.kernel_evals`` shared by the eligible slots in proportion to their share of
+    ``profile`` (each at least ``budget.min_evals``). ``gains``: each slot's relative gain in its last search
+    (``None``: not measured); one under ``plan.stagnation`` is stopped."""
+    shares = profile.shares()
+    eligible: dict[str, tuple[str, float]] = {}
+    skipped: dict[str, str] = {}
+    for slot in config.plan.slots:
+        share = shares.get(slot, 0.0)
+        task, why = slot_task_for(slot, cpu_flags, hidden, intermediate)
+        gain = (gains or {}).get(slot)
+        if task is None:
+            skipped[slot] = why
+        elif share < config.plan.min_share:
+            skipped[slot] = f"{share:.1%} of the time, under plan.min_share ({config.plan.min_share:.0%})"
+        elif gain is not None and gain < config.plan.stagnation:
+            skipped[slot] = f"its last search gained {gain:+.1%}, under plan.stagnation ({config.plan.stagnation:.0%})"
+        else:
+            eligible[slot] = (task, share)
+    total = sum(share for _, share in eligible.values())
+    searches = []
+    for slot, (task, share) in sorted(eligible.items(), key=lambda kv: -kv[1][1]):
+        evals = max(config.budget.min_evals, round(config.budget.kernel_evals * share / total))
+        searches.append(Search(slot, task, evals, share,
+                               f"{share:.1%} of the engine's time: {evals} of the round's kernel evaluations"))
+    return Plan(round_, tuple(searches), skipped)

@@ -1,0 +1,296 @@
+"""The factory: rounds of profile -> plan -> kernel searches -> engine search -> duel -> promotion.
+
+Everything lives in the factory directory, and every step leaves its evidence there before the next
+starts, so ``--resume`` (after a crash or ``kill -9``) redoes only the step that was cut short, and
+that step's search resumes as any run does:
+
+    factory.yaml          the config, frozen at the start
+    profiles/round-N.json where the incumbent engine's time went, measured at the start of round N
+    plans/round-N.json    the searches of round N, each with its budget and why (and why not, per slot)
+    runs/<task>           one kernel run per slot task, extended every round it is planned
+    runs/engine-rN        round N's engine search, offered the kernel runs as they are then
+    duels/round-N.json    its best against the incumbent: held-out similarity, side-by-side load
+    promotions.jsonl      every promoted engine with its figures (what ``evo serve --follow`` serves)
+    events.jsonl          each decision and when, with its reason
+
+The searches run one after another, each with every core: on a small machine parallel searches
+would only queue on the timing lock, which holds the machine for every timing and load test anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from evo.errors import UserError
+from evo.factory.config import FactoryConfig
+from evo.factory.kernels import engine_run_config, kernel_run_config
+from evo.factory.measure import measure
+from evo.factory.plan import Plan, make_plan
+
+__all__ = ["Factory", "read_promotions"]
+
+
+def read_promotions(factory_dir: Path) -> list[dict[str, Any]]:
+    """Every promotion of the factory in ``factory_dir``, oldest first (a torn last line is skipped)."""
+    path = factory_dir / "promotions.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+class Factory:
+    """One factory directory; :meth:`run` does (or, resumed, finishes) its rounds."""
+
+    def __init__(self, config: FactoryConfig, path: Path, *, note: Callable[[str], None] = print) -> None:
+        # absolute: promotions name their runs by path, for a server started anywhere
+        self.config, self.path, self.note = config, path.resolve(), note
+
+    @classmethod
+    def create(cls, config: FactoryConfig, path: Path, **kw: Any) -> Factory:
+        if (path / "factory.yaml").exists():
+            raise UserError(f"{path} already holds a factory: continue it with --resume, or choose another --dir")
+        factory = cls(config, path, **kw)
+        factory._model_config()  # a model the engine cannot run is one line, before anything is written
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "factory.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        return factory
+
+    @classmethod
+    def open(cls, path: Path, *, rounds: int | None = None, **kw: Any) -> Factory:
+        """The factory in ``path`` with its frozen config (``rounds``: more rounds than it was started with)."""
+        stored = path / "factory.yaml"
+        if not stored.exists():
+            raise UserError(f"no factory in {path} (expected {stored}): start one with evo factory CONFIG")
+        config = FactoryConfig.model_validate(yaml.safe_load(stored.read_text()))
+        if rounds is not None:
+            config = config.model_copy(update={"budget": config.budget.model_copy(update={"rounds": rounds})})
+        return cls(config, path, **kw)
+
+    # --- the rounds -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        for n in range(1, self.config.budget.rounds + 1):
+            self.note(f"round {n} of {self.config.budget.rounds}")
+            profile = self._profile(n)
+            plan = self._plan(n, profile)
+            for search in plan.searches:
+                self._kernel_search(n, search.task, search.evals)
+            engine_run = self._engine_search(n, plan)
+            self._duel(n, engine_run)
+
+    def _profile(self, n: int) -> dict[str, Any]:
+        path = self.path / "profiles" / f"round-{n}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+        incumbent = self.incumbent()
+        got = measure("profile", {**self._spec(), "engine": incumbent})
+        self._write(path, got)
+        top = ", ".join(f"{k} {v:.0%}" for k, v in sorted(got["shares"].items(), key=lambda kv: -kv[1])[:5])
+        self._event("profiled", round=n, engine=incumbent, why=f"where the time goes: {top}")
+        return got
+
+    def _plan(self, n: int, profile: dict[str, Any]) -> Plan:
+        path = self.path / "plans" / f"round-{n}.json"
+        if path.exists():
+            return Plan.from_dict(json.loads(path.read_text()))
+        from runtime.engine.profile import Profile
+        from runtime.hardware import cpu_flags
+
+        cfg = self._model_config()
+        plan = make_plan(n, Profile.from_dict(profile), self.config, cpu_flags=sorted(cpu_flags()),
+                         hidden=cfg.hidden, intermediate=cfg.intermediate, gains=self._gains(n))  # fmt: skip
+        self._write(path, plan.to_dict())
+        for s in plan.searches:
+            self._event("planned", round=n, slot=s.slot, task=s.task, evals=s.evals, why=s.why)
+        for slot, why in plan.skipped.items():
+            self._event("not planned", round=n, slot=slot, why=why)
+        return plan
+
+    def _gains(self, n: int) -> dict[str, float | None]:
+        """Each slot's relative gain in its search of the last round (its run's best after over before)."""
+        if n == 1:
+            return {}
+        last = json.loads((self.path / "plans" / f"round-{n - 1}.json").read_text())
+        out: dict[str, float | None] = {}
+        for s in last["searches"]:
+            entry = self._history(s["task"]).get(n - 1) or {}
+            before, after = entry.get("before"), entry.get("after")
+            out[s["slot"]] = (after / before - 1) if before and after else None
+        return out
+
+    def _history(self, task: str) -> dict[int, dict[str, float | None]]:
+        """Round -> the kernel run's best before and after that round's search."""
+        path = self.path / "runs" / task / "factory-rounds.json"
+        return {int(k): v for k, v in json.loads(path.read_text()).items()} if path.exists() else {}
+
+    def _kernel_search(self, n: int, task: str, evals: int) -> None:
+        run_dir = self.path / "runs" / task
+        history = self._history(task)
+        if n in history:
+            return
+        exists = (run_dir / "archive.db").exists()
+        before = self._best(run_dir) if exists else None
+        target = self._target(task, n)  # from the plans: a search resumed after a crash gets no more
+        config = self.path / "configs" / f"{task}.yaml"
+        config.parent.mkdir(exist_ok=True)
+        if not exists:  # a resumed run keeps the config it started with; only its budget grows
+            config.write_text(yaml.safe_dump(kernel_run_config(task, self.config, self._model_config(), target)))
+        self.note(f"kernel search {task}: {evals} evaluations (to {target} in all)")
+        self._evo_run(config, run_dir, resume=exists, max_evals=target)
+        history[n] = {"before": before, "after": self._best(run_dir)}
+        self._write(run_dir / "factory-rounds.json", {str(k): v for k, v in history.items()})
+        self._event("searched", round=n, task=task, evaluations=self._evaluations(run_dir), **history[n])
+
+    def _target(self, task: str, n: int) -> int:
+        """The evaluations ``task``'s run has in all once round ``n``'s search is done: its plans' sum."""
+        total = 0
+        for k in range(1, n + 1):
+            plan = json.loads((self.path / "plans" / f"round-{k}.json").read_text())
+            total += sum(s["evals"] for s in plan["searches"] if s["task"] == task)
+        return total
+
+    def _engine_search(self, n: int, plan: Plan) -> Path:
+        run_dir = self.path / "runs" / f"engine-r{n}"
+        config = self.path / "configs" / f"engine-r{n}.yaml"
+        kernel_runs = {t: self.path / "runs" / t for t in self._searched_tasks()}
+        config.parent.mkdir(exist_ok=True)
+        if not config.exists():
+            config.write_text(yaml.safe_dump(engine_run_config(self.config, kernel_runs)))
+        marker = run_dir / "factory-done"
+        if marker.exists():
+            return run_dir
+        self.note(f"engine search round {n}: offered {', '.join(sorted(kernel_runs)) or 'no'} kernel runs")
+        resume = (run_dir / "archive.db").exists()
+        self._evo_run(config, run_dir, resume=resume, max_evals=self.config.budget.engine_evals)
+        marker.write_text("")
+        self._event("searched", round=n, task="engine", evaluations=self._evaluations(run_dir),
+                    best=self._best(run_dir))  # fmt: skip
+        return run_dir
+
+    def _duel(self, n: int, engine_run: Path) -> None:
+        path = self.path / "duels" / f"round-{n}.json"
+        if path.exists():
+            return
+        from archive import read_run
+
+        with read_run(engine_run) as run:
+            ids = run.elite_ids(1)
+        if not ids:
+            self._write(path, {"promoted": False, "why": f"{engine_run} has no ok engine"})
+            self._event("not promoted", round=n, why=f"{engine_run} has no ok engine")
+            return
+        candidate = {"run_dir": str(engine_run), "elite": ids[0]}
+        incumbent = self.incumbent()
+        p = self.config.promote
+        got = measure("duel", {**self._spec(), "candidate": candidate, "incumbent": incumbent,
+                               "held_out_texts": p.held_out_texts, "rounds": p.rounds, "duration_s": p.duration_s,
+                               "lock_file": self._lock_file()})  # fmt: skip
+        c, i = got["candidate"], got["incumbent"]
+        gain = c["throughput"] / i["throughput"] - 1 if i["throughput"] else float("inf")
+        budget = self.config.load.p99_budget_ms
+        if c["similarity"] < p.similarity_floor:
+            why = f"min cosine {c['similarity']:.5f} on held-out texts is under the floor {p.similarity_floor}"
+        elif c["p99_ms"] > budget:
+            why = f"p99 {c['p99_ms']:.1f} ms is over the budget {budget:g} ms"
+        elif gain <= p.min_gain:
+            why = f"{c['throughput']:.1f} sentences/s against the incumbent's {i['throughput']:.1f} ({gain:+.1%})"
+        else:
+            why = ""
+        promoted = not why
+        record = {"round": n, "promoted": promoted, "engines": {"candidate": candidate, "incumbent": incumbent},
+                  "figures": got, "gain": gain,
+                  "why": why or f"{gain:+.1%} against the incumbent side by side, p99 {c['p99_ms']:.1f} ms, "
+                                f"min cosine {c['similarity']:.5f} on {p.held_out_texts} held-out texts"}  # fmt: skip
+        self._write(path, record)
+        if promoted:
+            entry = {"round": n, "run_dir": str(engine_run), "elite": ids[0], "throughput": c["throughput"],
+                     "p99_ms": c["p99_ms"], "similarity": c["similarity"], "gain": gain, "at": time.time()}  # fmt: skip
+            with (self.path / "promotions.jsonl").open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+        self._event("promoted" if promoted else "not promoted", round=n, engine=candidate, why=record["why"])
+
+    # --- helpers ------------------------------------------------------------------------------------
+
+    def incumbent(self) -> dict[str, Any] | None:
+        """The last promoted engine (``None``: none yet, the default configuration)."""
+        promotions = read_promotions(self.path)
+        return {"run_dir": promotions[-1]["run_dir"], "elite": promotions[-1]["elite"]} if promotions else None
+
+    def _searched_tasks(self) -> list[str]:
+        runs = self.path / "runs"
+        if not runs.exists():
+            return []
+        return sorted(p.name for p in runs.iterdir()
+                      if (p / "archive.db").exists() and not p.name.startswith("engine-"))  # fmt: skip
+
+    def _spec(self) -> dict[str, Any]:
+        return {"model_dir": self.config.model_dir, "load": self.config.load.model_dump(mode="json"),
+                "seed": self.config.seed}  # fmt: skip
+
+    def _model_config(self) -> Any:
+        from runtime.engine.model import ModelLoadError, default_model_dir, read_config
+
+        try:
+            return read_config(Path(self.config.model_dir) if self.config.model_dir else default_model_dir())
+        except (ModelLoadError, RuntimeError) as exc:
+            raise UserError(f"model_dir: {exc}") from None
+
+    def _lock_file(self) -> str:
+        from runtime.settings import EvalSettings
+
+        return EvalSettings().timing.lock_file
+
+    def _evo_run(self, config: Path, run_dir: Path, *, resume: bool, max_evals: int) -> None:
+        cmd = [sys.executable, "-m", "evo", "run", str(config), "--run-dir", str(run_dir), "--max-evals",
+               str(max_evals)]  # fmt: skip
+        if resume:
+            cmd.append("--resume")
+        log = self.path / "logs" / f"{run_dir.name}.log"
+        log.parent.mkdir(exist_ok=True)
+        with log.open("a") as out:
+            done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            raise RuntimeError(f"evo run {config} ended {done.returncode}: see {log}")
+
+    @staticmethod
+    def _evaluations(run_dir: Path) -> int:
+        if not (run_dir / "archive.db").exists():
+            return 0
+        from archive import Store
+
+        with Store(run_dir, readonly=True) as store:
+            return store.count() - store.count("pending")
+
+    @staticmethod
+    def _best(run_dir: Path) -> float | None:
+        from archive import Store
+
+        with Store(run_dir, readonly=True) as store:
+            best = store.best(1)
+        return best[0].fitness if best else None
+
+    def _write(self, path: Path, data: Any) -> None:
+        """Written whole or not at all: a step's evidence is there only once the step is done."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(path)
+
+    def _event(self, what: str, **fields: Any) -> None:
+        entry = {"at": time.time(), "event": what, **fields}
+        with (self.path / "events.jsonl").open("a") as f:
+            f.write(json.dumps(entry, default=str) + "\n")
+        self.note(f"{what}: " + ", ".join(f"{k}={v}" for k, v in fields.items() if k != "why")
+                  + (f": {fields['why']}" if fields.get("why") else ""))  # fmt: skip

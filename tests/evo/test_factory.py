@@ -1,0 +1,178 @@
+"""The engine factory: the plan follows the profile, and one real factory on a small random BERT runs end
+to end (killed with -9 and resumed on the way), promotes an engine, and `evo serve --follow` serves it
+and swaps to the next promotion without a failed request."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evo.factory.config import FactoryConfig
+from evo.factory.plan import make_plan
+from runtime.engine.profile import Profile
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "runtime" / "engine"))
+sys.path.insert(0, str(ROOT / "tests" / "serving"))
+
+FLAGS = ["avx512_bf16", "avx512_vnni", "avx512f"]
+
+
+def _profile(**seconds: float) -> Profile:
+    slots = {s: seconds.get(s, 0.0) for s in ("layernorm", "softmax", "gelu", "linear")}
+    rest = seconds.get("other", 0.0)
+    return Profile(texts=8, tokens=80, batches=1, total_s=sum(slots.values()) + rest, tokenize_s=0.0, slots=slots,
+                   gemms={}, attention_s=0.0, other_s=rest)  # fmt: skip
+
+
+def test_the_plan_follows_what_each_slot_could_save():
+    config = FactoryConfig.model_validate({"budget": {"kernel_evals": 60, "min_evals": 4}})
+    profile = _profile(linear=6.0, gelu=2.0, layernorm=1.0, softmax=0.3, other=0.7)
+    plan = make_plan(1, profile, config, cpu_flags=FLAGS, hidden=384, intermediate=1536)
+    got = {s.slot: (s.task, s.evals) for s in plan.searches}
+    assert got == {"linear": ("linear_bf16", 40), "gelu": ("gelu", 13), "layernorm": ("layernorm", 7)}
+    assert [s.slot for s in plan.searches] == ["linear", "gelu", "layernorm"]  # the largest share first
+    assert "3.0% of the time, under plan.min_share" in plan.skipped["softmax"]
+    assert "60.0% of the engine's time" in plan.searches[0].why
+    # a CPU without the instructions: the linear slot gets no search, and the plan says why
+    plain = make_plan(1, profile, config, cpu_flags=["avx2"], hidden=384, intermediate=1536)
+    assert "linear" not in {s.slot for s in plain.searches}
+    assert "linear_bf16 needs avx512_bf16" in plain.skipped["linear"] and "avx512_vnni" in plain.skipped["linear"]
+    # only VNNI: the int8 kernels; a model whose sizes fit neither linear task: none
+    assert make_plan(1, profile, config, cpu_flags=["avx512_vnni"], hidden=384, intermediate=1536
+                     ).searches[0].task == "linear_int8"  # fmt: skip
+    odd = make_plan(1, profile, config, cpu_flags=FLAGS, hidden=96, intermediate=200)
+    assert "the model's are 96 and 200" in odd.skipped["linear"]
+    # a search that stagnated is stopped; one with no figure yet goes on
+    later = make_plan(2, profile, config, cpu_flags=FLAGS, hidden=384, intermediate=1536,
+                      gains={"linear": 0.3, "gelu": 0.001, "layernorm": None})  # fmt: skip
+    assert {s.slot for s in later.searches} == {"linear", "layernorm"}
+    assert "gained +0.1%, under plan.stagnation" in later.skipped["gelu"]
+    assert plan == type(plan).from_dict(json.loads(json.dumps(plan.to_dict())))
+
+
+def _evo(*args: str, cwd: Path, timeout: float = 900, **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "evo", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, **kw)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def factory(tmp_path_factory) -> Path:
+    """A one-round factory on a small random BERT, killed with -9 during its engine search and resumed."""
+    from bert_models import make_bert
+
+    tmp = tmp_path_factory.mktemp("factory")
+    make_bert(tmp / "tiny-bert", hidden=64, heads=4, layers=2, intermediate=128)
+    cfg = {
+        "model_dir": "tiny-bert",
+        "load": {"threads": 2, "concurrency": 2, "duration_s": 0.3, "warmup_s": 0.05, "texts": 16,
+                 "lengths": {10: 1.0}, "p99_budget_ms": 10000},
+        "budget": {"rounds": 1, "kernel_evals": 4, "engine_evals": 3, "min_evals": 2},
+        "plan": {"slots": ["gelu", "layernorm"], "min_share": 0.0},
+        "promote": {"held_out_texts": 16, "rounds": 1, "duration_s": 0.5, "min_gain": -0.5},
+    }  # fmt: skip
+    (tmp / "factory.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "EVOFORGE_MEMORY_DIR": str(tmp / "memory")}
+    out = tmp / "fac"
+    proc = subprocess.Popen([sys.executable, "-m", "evo", "factory", "factory.yaml", "--dir", str(out)], cwd=tmp,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not (out / "runs" / "engine-r1" / "archive.db").exists() and time.monotonic() < deadline:
+        assert proc.poll() is None, "the factory ended before its engine search"
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "duels" / "round-1.json").exists()
+    searched = {t: json.loads((out / "runs" / t / "factory-rounds.json").read_text()) for t in ("gelu", "layernorm")}
+    resumed = _evo("factory", "factory.yaml", "--dir", str(out), "--resume", cwd=tmp, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for task, rounds in searched.items():  # the kernel searches were done: not run again
+        assert json.loads((out / "runs" / task / "factory-rounds.json").read_text()) == rounds
+    return out
+
+
+def test_a_factory_profiles_plans_searches_and_promotes(factory):
+    profile = json.loads((factory / "profiles" / "round-1.json").read_text())
+    assert set(profile["slots"]) == {"layernorm", "softmax", "gelu", "linear"} and profile["total_s"] > 0
+    plan = json.loads((factory / "plans" / "round-1.json").read_text())
+    assert {s["task"] for s in plan["searches"]} == {"gelu", "layernorm"} and all(s["why"] for s in plan["searches"])
+    assert set(plan["skipped"]) == set()  # only the two slots were asked for, min_share 0
+    from archive import Store
+
+    for s in plan["searches"]:
+        with Store(factory / "runs" / s["task"], readonly=True) as store:
+            assert store.count() - store.count("pending") == s["evals"]  # the planned budget, not more
+    engine_cfg = yaml.safe_load((factory / "configs" / "engine-r1.yaml").read_text())
+    assert set(engine_cfg["task"]["args"]["kernels"]) == {"gelu", "layernorm"}  # offered the kernel runs
+    duel = json.loads((factory / "duels" / "round-1.json").read_text())
+    assert duel["engines"]["candidate"]["elite"] and duel["engines"]["incumbent"] is None  # against the default
+    figures = duel["figures"]["candidate"]
+    assert figures["similarity"] >= 0.99 and len(figures["rounds"]) == 1 and figures["throughput"] > 0
+    assert duel["promoted"] is True, duel["why"]
+    promotions = [json.loads(line) for line in (factory / "promotions.jsonl").read_text().splitlines()]
+    assert len(promotions) == 1 and promotions[0]["elite"] == duel["engines"]["candidate"]["elite"]
+    assert Path(promotions[0]["run_dir"]).is_absolute()
+    events = [json.loads(line)["event"] for line in (factory / "events.jsonl").read_text().splitlines()]
+    assert events[0] == "profiled" and "planned" in events and events[-1] == "promoted"
+    status = _evo("factory", "status", str(factory), "--json", cwd=factory)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["promotions"] == promotions
+    shown = _evo("factory", "status", str(factory), cwd=factory)
+    assert "promoted" in shown.stdout and "sentences/s" in shown.stdout
+
+
+def test_serve_follow_swaps_to_each_promotion_without_a_failed_request(factory):
+    from serve_helpers import start_server, stop
+
+    from archive import Store
+
+    first = json.loads((factory / "promotions.jsonl").read_text().splitlines()[0])
+    with Store(first["run_dir"], readonly=True) as store:
+        other = next(c.id for c in store.best(10) if c.id != first["elite"])
+    srv = start_server(None, "--follow", str(factory))
+    statuses: list[int] = []
+    stop_load = threading.Event()
+
+    def load() -> None:
+        while not stop_load.is_set():
+            statuses.append(srv.call("POST", "/v1/embeddings", {"input": ["a text under load"]})[0])
+
+    try:
+        status, _, headers = srv.call("POST", "/v1/embeddings", {"input": ["hello"]})
+        assert status == 200 and headers["x-elite-id"] == first["elite"]
+        assert srv.call("GET", "/v1/models")[1]["data"][0]["id"] == "tiny-bert"
+        worker = threading.Thread(target=load)
+        worker.start()
+        with (factory / "promotions.jsonl").open("a") as f:  # the factory's next promotion
+            f.write(json.dumps({**first, "round": 2, "elite": other, "at": time.time()}) + "\n")
+        deadline = time.monotonic() + 60
+        while srv.call("POST", "/v1/embeddings", {"input": ["x"]})[2].get("x-elite-id") != other:
+            assert time.monotonic() < deadline, "never swapped to the new promotion"
+            time.sleep(0.2)
+        time.sleep(0.5)
+        stop_load.set()
+        worker.join()
+    finally:
+        stop_load.set()
+        stop(srv)
+    assert statuses and set(statuses) == {200}, statuses
+    swaps = [json.loads(line) for line in (factory / "swaps.jsonl").read_text().splitlines()]
+    assert swaps[-1]["elite"] == other and swaps[-1]["ok"] is True and swaps[-1]["round"] == 2
+
+
+def test_serve_follow_needs_a_promotion(tmp_path):
+    (tmp_path / "factory.yaml").write_text("{}\n")
+    got = _evo("serve", "--follow", str(tmp_path), cwd=tmp_path, timeout=60)
+    assert got.returncode == 2 and "has promoted no engine yet" in got.stderr
+    both = _evo("serve", str(tmp_path), "--follow", str(tmp_path), cwd=tmp_path, timeout=60)
+    assert both.returncode == 2 and "either RUN_DIR or --follow" in both.stderr
