@@ -59,8 +59,10 @@ def min_cosine(got: np.ndarray, reference: np.ndarray) -> float:
     return float(np.min(np.sum(got * reference, axis=1)))
 
 
-def median_figures(runs: Sequence[LoadResult]) -> dict[str, float]:
-    """The median of each figure over the rounds, and each round's throughput."""
+def median_figures(runs: Sequence[LoadResult]) -> dict[str, Any]:
+    """The median of each figure over the rounds, and each round's throughput (``None``s: no round)."""
+    if not runs:
+        return {"throughput": None, "p50_ms": None, "p99_ms": None, "completed": 0, "rounds": []}
     return {"throughput": float(np.median([r.throughput for r in runs])),
             "p50_ms": float(np.median([r.p50_ms for r in runs])),
             "p99_ms": float(np.median([r.p99_ms for r in runs])),
@@ -201,6 +203,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="peers' max batch size")
     ap.add_argument("--rounds", type=int, default=3, help="measurements of each contestant, interleaved")
     ap.add_argument("--bulk", type=int, default=512, help="texts of the bulk measure (0: none)")
+    ap.add_argument("--bulk-tokens", type=int, help="every bulk text about this many tokens [default: the load's mix]")
+    ap.add_argument("--bulk-only", action="store_true", help="skip the serving rounds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     seconds = run_search(args.config, args.out, args.max_evals) if args.config else None
@@ -247,7 +251,7 @@ def main() -> None:
             similarity[name] = min_cosine(got, reference)
         # rounds: every contestant once per round, so a slow spell of the machine hits them all alike
         runs: dict[str, list[LoadResult]] = {name: [] for name in similarity}
-        for _ in range(args.rounds):
+        for _ in range(0 if args.bulk_only else args.rounds):
             for name, engine in engines.items():
                 engine.start()
                 try:
@@ -259,6 +263,10 @@ def main() -> None:
                     runs[name].append(closed_loop(b.submit, texts, **load))
         # bulk: many short texts at once, each contestant batching its own way, in interleaved rounds too
         fresh = task.fresh_texts(salt=11)
+        if args.bulk_tokens:
+            from runtime.engine.task import FreshTexts
+
+            fresh = FreshTexts(model.tokenizer.vocabulary_words(), {args.bulk_tokens: 1.0}, salt=11)
         bulk_texts = [fresh[i] for i in range(args.bulk)]
         bulk_runs: dict[str, list[float]] = {name: [] for name in similarity}
         for _ in range(args.rounds if bulk_texts else 0):
@@ -272,7 +280,7 @@ def main() -> None:
              "bulk": float(np.median(bulk_runs[name])) if bulk_runs[name] else None} for name, rs in runs.items()]
     base = next(r["throughput"] for r in rows if r["name"] == "sentence-transformers")
     for r in rows:
-        r["vs_sentence_transformers"] = r["throughput"] / base if base else None
+        r["vs_sentence_transformers"] = r["throughput"] / base if base and r["throughput"] else None
     ours = [r for r in rows if r["name"].startswith("evoforge")]
     theirs = [r for r in rows if not r["name"].startswith("evoforge") and r["min_cosine"] >= 0.99]
     versus = {}
@@ -293,10 +301,12 @@ def main() -> None:
     print(f"| engine | sentences/s | vs sentence-transformers | p50 ms | p99 ms | bulk sentences/s ({len(bulk_texts)} "
           "texts) | min cosine to fp32 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
+    def num(v: float | None, spec: str = ".1f", unit: str = "") -> str:
+        return "-" if v is None else f"{v:{spec}}{unit}"
+
     for r in rows:
-        b = f"{r['bulk']:.1f}" if r["bulk"] else "-"
-        print(f"| {r['name']} | {r['throughput']:.1f} | {r['vs_sentence_transformers']:.2f}x | {r['p50_ms']:.1f} | "
-              f"{r['p99_ms']:.1f} | {b} | {r['min_cosine']:.5f} |")
+        print(f"| {r['name']} | {num(r['throughput'])} | {num(r['vs_sentence_transformers'], '.2f', 'x')} | "
+              f"{num(r['p50_ms'])} | {num(r['p99_ms'])} | {num(r['bulk'])} | {r['min_cosine']:.5f} |")
     for measure, v in versus.items():
         print(f"{measure}: {v['ours']} is {v['ratio']:.2f}x the strongest peer at min cosine >= 0.99 ({v['peer']}); "
               f"1.5x is {1.5 / v['ratio']:.2f}x further")
