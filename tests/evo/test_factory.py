@@ -176,3 +176,17 @@ def test_serve_follow_needs_a_promotion(tmp_path):
     assert got.returncode == 2 and "has promoted no engine yet" in got.stderr
     both = _evo("serve", str(tmp_path), "--follow", str(tmp_path), cwd=tmp_path, timeout=60)
     assert both.returncode == 2 and "either RUN_DIR or --follow" in both.stderr
+
+
+def test_a_factory_a_user_got_wrong_is_one_line(tmp_path):
+    missing = _evo("factory", "nope.yaml", cwd=tmp_path, timeout=60)
+    assert missing.returncode == 2 and "cannot read nope.yaml" in missing.stderr
+    (tmp_path / "bad.yaml").write_text("budget: {rounds: 0}\n")
+    bad = _evo("factory", "bad.yaml", cwd=tmp_path, timeout=60)
+    assert bad.returncode == 2 and "budget.rounds" in bad.stderr and "Traceback" not in bad.stderr
+    (tmp_path / "nomodel.yaml").write_text("model_dir: no-such-model\n")
+    nomodel = _evo("factory", "nomodel.yaml", cwd=tmp_path, timeout=60)
+    assert nomodel.returncode == 2 and "model_dir:" in nomodel.stderr and "config.json is missing" in nomodel.stderr
+    assert not (tmp_path / "factories").exists()  # nothing written for a factory that cannot start
+    status = _evo("factory", "status", str(tmp_path), cwd=tmp_path, timeout=60)
+    assert status.returncode == 2 and "no factory in" in status.stderr
