@@ -85,6 +85,14 @@ def _awaitable(fut: Future[Any]) -> asyncio.Future[Any]:
     return out
 
 
+async def _hung_up(request: Request) -> None:
+    """Returns once the client has gone away. The body is read by now, so the next message is the disconnect;
+    waiting for it (rather than peeking once) keeps the server reading the socket, so a hang-up is seen
+    while the texts are tokenised."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 @router.post("/v1/embeddings", tags=["embeddings"], responses=errors(400, 401, 404, 413, 429, 503))
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     """Embeds the input texts (pooled and normalised as the served model does) through the engine's batcher."""
@@ -101,11 +109,13 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         raise APIError(429, f"{state.in_flight} requests in flight (the cap): retry later", code="overloaded")
     state.in_flight += 1
     state.metrics.in_flight.inc()
+    gone = asyncio.create_task(_hung_up(request))
     try:
         seqs = await asyncio.to_thread(runner.engine.model.tokenizer.encode_batch, texts)
         t_tok = time.perf_counter()
         state.metrics.tokenize.observe(t_tok - t0)
-        if await request.is_disconnected():  # nobody is waiting: spare the engine
+        await asyncio.sleep(0)  # let a hang-up read during the tokenising land
+        if gone.done():  # nobody is waiting: spare the engine
             state.metrics.rejected.labels("disconnected").inc()
             return Response(status_code=499)
         runner = state.host.current or runner  # after a swap, new texts go to the new engine
@@ -119,6 +129,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
             raise APIError(429, "the engine's queue is full: retry later", code="queue_full") from None
         results: list[tuple[np.ndarray, BatchInfo]] = await asyncio.gather(*(_awaitable(f) for _, f in submitted))
     finally:
+        gone.cancel()
         state.in_flight -= 1
         state.metrics.in_flight.dec()
     queue_s = max(info.start - ts for (ts, _), (_, info) in zip(submitted, results, strict=True))
