@@ -40,11 +40,11 @@ def kernel_run_config(task: str, config: FactoryConfig, model: ModelConfig, max_
 
 def engine_run_config(config: FactoryConfig, kernel_runs: dict[str, Path]) -> dict[str, Any]:
     """The engine search: the factory's load, offered the top 2 elites of each kernel run by its slot."""
-    from runtime.engine.ops import slot_task
+    from runtime.task import load_task_class
 
     by_slot: dict[str, list[dict[str, Any]]] = {}
     for task, run_dir in sorted(kernel_runs.items()):
-        slot = next(s for s in ("layernorm", "softmax", "gelu", "linear") if _fills(slot_task, s, task))
+        slot = load_task_class(task).slot.name  # type: ignore[attr-defined]  # a slot task: it declares it
         by_slot.setdefault(slot, []).append({"run_dir": str(run_dir), "top": 2})
     load = config.load
     args: dict[str, Any] = {
@@ -63,10 +63,3 @@ def engine_run_config(config: FactoryConfig, kernel_runs: dict[str, Path]) -> di
                     "ranges": [[0, load.p99_budget_ms], [0, 4096]]},
     }  # fmt: skip
 
-
-def _fills(slot_task: Any, slot: str, task: str) -> bool:
-    try:
-        slot_task(slot, task)
-    except ValueError:
-        return False
-    return True

@@ -87,7 +87,7 @@ class Factory:
             plan = self._plan(n, profile)
             for search in plan.searches:
                 self._kernel_search(n, search.task, search.evals)
-            engine_run = self._engine_search(n, plan)
+            engine_run = self._engine_search(n)
             self._duel(n, engine_run)
 
     def _profile(self, n: int) -> dict[str, Any]:
@@ -161,7 +161,7 @@ class Factory:
             total += sum(s["evals"] for s in plan["searches"] if s["task"] == task)
         return total
 
-    def _engine_search(self, n: int, plan: Plan) -> Path:
+    def _engine_search(self, n: int) -> Path:
         run_dir = self.path / "runs" / f"engine-r{n}"
         config = self.path / "configs" / f"engine-r{n}.yaml"
         kernel_runs = {t: self.path / "runs" / t for t in self._searched_tasks()}
