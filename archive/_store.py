@@ -24,6 +24,7 @@ from archive._candidate import COLUMNS, Candidate, dumps, from_row
 from archive._errors import AmbiguousIdError, CandidateNotFoundError, StoreError
 from archive._llm import LLMRecords
 from archive._schema import ensure_schema
+from archive._sqlite import use_wal
 from genome import Genome, canonical_json
 from runtime.result import EvalResult, Status
 
@@ -61,7 +62,7 @@ class Store(LLMRecords):
         try:
             conn.execute("PRAGMA busy_timeout = 10000")
             if not readonly:
-                conn.execute("PRAGMA journal_mode = WAL")
+                use_wal(conn, timeout_s=10)
                 conn.execute("PRAGMA synchronous = NORMAL")
             self.schema_version = ensure_schema(conn, path=str(p), readonly=readonly)
         except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"

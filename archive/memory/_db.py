@@ -18,6 +18,7 @@ import numpy as np
 
 from archive._candidate import dumps
 from archive._errors import StoreError
+from archive._sqlite import use_wal
 from archive.memory._entry import MemoryEntry
 from genome import Genome, canonical_json
 
@@ -68,7 +69,7 @@ def connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         conn.execute("PRAGMA busy_timeout = 30000")
-        conn.execute("PRAGMA journal_mode = WAL")
+        use_wal(conn, timeout_s=30)
         conn.execute("PRAGMA synchronous = NORMAL")
         conn.execute("BEGIN IMMEDIATE")
         for stmt in _DDL:
