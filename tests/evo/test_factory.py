@@ -5,16 +5,13 @@ and swaps to the next promotion without a failed request."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import pytest
 import yaml
+from factory_testlib import evo
 
 from evo.factory.config import FactoryConfig
 from evo.factory.plan import make_plan
@@ -60,47 +57,6 @@ def test_the_plan_follows_what_each_slot_could_save():
     assert plan == type(plan).from_dict(json.loads(json.dumps(plan.to_dict())))
 
 
-def _evo(*args: str, cwd: Path, timeout: float = 900, **kw) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "evo", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, **kw)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def factory(tmp_path_factory) -> Path:
-    """A one-round factory on a small random BERT, killed with -9 during its engine search and resumed."""
-    from bert_models import make_bert
-
-    tmp = tmp_path_factory.mktemp("factory")
-    make_bert(tmp / "tiny-bert", hidden=64, heads=4, layers=2, intermediate=128)
-    cfg = {
-        "model_dir": "tiny-bert",
-        "load": {"threads": 2, "concurrency": 2, "duration_s": 0.3, "warmup_s": 0.05, "texts": 16,
-                 "lengths": {10: 1.0}, "p99_budget_ms": 10000},
-        "budget": {"rounds": 1, "kernel_evals": 4, "engine_evals": 3, "min_evals": 2},
-        "plan": {"slots": ["gelu", "layernorm"], "min_share": 0.0},
-        "promote": {"held_out_texts": 16, "rounds": 1, "duration_s": 0.5, "min_gain": -0.5},
-    }  # fmt: skip
-    (tmp / "factory.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "EVOFORGE_MEMORY_DIR": str(tmp / "memory")}
-    out = tmp / "fac"
-    proc = subprocess.Popen([sys.executable, "-m", "evo", "factory", "factory.yaml", "--dir", str(out)], cwd=tmp,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while not (out / "runs" / "engine-r1" / "archive.db").exists() and time.monotonic() < deadline:
-        assert proc.poll() is None, "the factory ended before its engine search"
-        time.sleep(0.2)
-    time.sleep(1.0)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (out / "duels" / "round-1.json").exists()
-    searched = {t: json.loads((out / "runs" / t / "factory-rounds.json").read_text()) for t in ("gelu", "layernorm")}
-    resumed = _evo("factory", "factory.yaml", "--dir", str(out), "--resume", cwd=tmp, env=env)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for task, rounds in searched.items():  # the kernel searches were done: not run again
-        assert json.loads((out / "runs" / task / "factory-rounds.json").read_text()) == rounds
-    return out
-
-
 def test_a_factory_profiles_plans_searches_and_promotes(factory):
     profile = json.loads((factory / "profiles" / "round-1.json").read_text())
     assert set(profile["slots"]) == {"layernorm", "softmax", "gelu", "linear"} and profile["total_s"] > 0
@@ -124,10 +80,10 @@ def test_a_factory_profiles_plans_searches_and_promotes(factory):
     assert Path(promotions[0]["run_dir"]).is_absolute()
     events = [json.loads(line)["event"] for line in (factory / "events.jsonl").read_text().splitlines()]
     assert events[0] == "profiled" and "planned" in events and events[-1] == "promoted"
-    status = _evo("factory", "status", str(factory), "--json", cwd=factory)
+    status = evo("factory", "status", str(factory), "--json", cwd=factory)
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["promotions"] == promotions
-    shown = _evo("factory", "status", str(factory), cwd=factory)
+    shown = evo("factory", "status", str(factory), cwd=factory)
     assert "promoted" in shown.stdout and "sentences/s" in shown.stdout
 
 
@@ -172,21 +128,21 @@ def test_serve_follow_swaps_to_each_promotion_without_a_failed_request(factory):
 
 def test_serve_follow_needs_a_promotion(tmp_path):
     (tmp_path / "factory.yaml").write_text("{}\n")
-    got = _evo("serve", "--follow", str(tmp_path), cwd=tmp_path, timeout=60)
+    got = evo("serve", "--follow", str(tmp_path), cwd=tmp_path, timeout=60)
     assert got.returncode == 2 and "has promoted no engine yet" in got.stderr
-    both = _evo("serve", str(tmp_path), "--follow", str(tmp_path), cwd=tmp_path, timeout=60)
+    both = evo("serve", str(tmp_path), "--follow", str(tmp_path), cwd=tmp_path, timeout=60)
     assert both.returncode == 2 and "either RUN_DIR or --follow" in both.stderr
 
 
 def test_a_factory_a_user_got_wrong_is_one_line(tmp_path):
-    missing = _evo("factory", "nope.yaml", cwd=tmp_path, timeout=60)
+    missing = evo("factory", "nope.yaml", cwd=tmp_path, timeout=60)
     assert missing.returncode == 2 and "cannot read nope.yaml" in missing.stderr
     (tmp_path / "bad.yaml").write_text("budget: {rounds: 0}\n")
-    bad = _evo("factory", "bad.yaml", cwd=tmp_path, timeout=60)
+    bad = evo("factory", "bad.yaml", cwd=tmp_path, timeout=60)
     assert bad.returncode == 2 and "budget.rounds" in bad.stderr and "Traceback" not in bad.stderr
     (tmp_path / "nomodel.yaml").write_text("model_dir: no-such-model\n")
-    nomodel = _evo("factory", "nomodel.yaml", cwd=tmp_path, timeout=60)
+    nomodel = evo("factory", "nomodel.yaml", cwd=tmp_path, timeout=60)
     assert nomodel.returncode == 2 and "model_dir:" in nomodel.stderr and "config.json is missing" in nomodel.stderr
     assert not (tmp_path / "factories").exists()  # nothing written for a factory that cannot start
-    status = _evo("factory", "status", str(tmp_path), cwd=tmp_path, timeout=60)
+    status = evo("factory", "status", str(tmp_path), cwd=tmp_path, timeout=60)
     assert status.returncode == 2 and "no factory in" in status.stderr
