@@ -27,7 +27,9 @@ def _need(extra: str, names: tuple[str, ...]) -> None:
 @click.option("--png", "png_dir", type=click.Path(path_type=Path), help="also write each figure as a PNG here")
 def report(run_dir: Path, output: Path | None, png_dir: Path | None) -> None:
     """Write one self-contained HTML report of RUN_DIR: the archive map, progress, operators and models,
-    the lineage of the best, engine runs, measurement quality. Opens offline (figures embedded)."""
+    the lineage of the best, engine runs, measurement quality. Opens offline (figures embedded). On a factory
+    directory (evo factory --dir): its searches on a timeline, the served engine's sentences/s, every round's
+    profile, searches and duel, and every decision."""
     _need("report", ("matplotlib",))
     from archive import StoreError
     from evo.report import write_report
@@ -51,8 +53,8 @@ def report(run_dir: Path, output: Path | None, png_dir: Path | None) -> None:
 @click.option("--key-env", metavar="NAME", help="environment variable holding the key a browser logs in with "
               "(and an API client sends as a bearer token)")
 def dashboard(run_dir: Path, host: str, port: int, key_env: str | None) -> None:
-    """Serve RUN_DIR's report live: the page follows the run as it writes (read-only; the run is never
-    locked or slowed). With --key-env, a browser logs in once on /login."""
+    """Serve RUN_DIR's report live: the page follows the run (or the factory) as it writes (read-only; the run
+    is never locked or slowed). With --key-env, a browser logs in once on /login."""
     _need("dashboard", ("matplotlib", "starlette", "uvicorn"))
     from archive import StoreError
     from evo.report.dashboard import serve

@@ -1,4 +1,4 @@
-"""``evo dashboard``: the report of a run, live, served on this machine.
+"""``evo dashboard``: the report of a run (or of a factory and its runs), live, served on this machine.
 
 The page polls ``/api/report``; the server re-reads the run (read-only: the run's writer is never
 blocked) when it recorded something new, and sends the sections. It draws at most once per
@@ -32,8 +32,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from archive import RunView
-from evo.report.page import Report, build, document
+from evo.report import build_report, report_marker
+from evo.report.page import Report, document
 
 __all__ = ["create_app"]
 
@@ -75,7 +75,7 @@ _LOGIN = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>ev
 
 
 class _Reports:
-    """The current report of the run: rebuilt when the run changed, at most once per ``min_interval_s``."""
+    """The current report of the run (or factory): rebuilt when the run changed, at most once per ``min_interval_s``."""
 
     def __init__(self, run_dir: Path, min_interval_s: float) -> None:
         self.run_dir = run_dir
@@ -90,11 +90,10 @@ class _Reports:
             wait = max(self.min_interval_s, 5 * self._build_s)
             if self._report is not None and time.monotonic() - self._checked_at < wait:
                 return self._report
-            with RunView(self.run_dir) as view:
-                if self._report is None or view.marker() != self._report.marker:
-                    t0 = time.monotonic()
-                    self._report = build(view)
-                    self._build_s = time.monotonic() - t0
+            if self._report is None or report_marker(self.run_dir) != self._report.marker:
+                t0 = time.monotonic()
+                self._report = build_report(self.run_dir)
+                self._build_s = time.monotonic() - t0
             self._checked_at = time.monotonic()
             return self._report
 
@@ -105,11 +104,11 @@ def _marker(report: Report) -> str:
 
 def create_app(run_dir: str | Path, *, key: str | None = None, min_interval_s: float = 2.0,
                poll_ms: int = 1500, hosts: list[str] | None = None) -> Starlette:  # fmt: skip
-    """The dashboard of the run in ``run_dir`` (which must hold a run: :class:`archive.RunNotFound`).
+    """The dashboard of the run (or factory) in ``run_dir`` (a run must be there: :class:`archive.RunNotFound`).
     ``hosts``: the ``Host`` names it answers (a loopback dashboard answers only loopback names, so a web
     page cannot reach it through a rebound DNS name); ``None``: any."""
     run_dir = Path(run_dir)
-    RunView(run_dir).close()  # fails now, with the reason, rather than on the first page
+    report_marker(run_dir)  # fails now, with the reason, rather than on the first page
     reports = _Reports(run_dir, min_interval_s)
     sessions: set[str] = set()
     script = _SCRIPT.replace("INTERVAL", str(int(poll_ms)))
