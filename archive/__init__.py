@@ -9,10 +9,11 @@ from archive._llm import OUTCOME_RANK, LLMCall
 from archive._query import LAYOUT_KEY, best_per_cell, load_archive, operator_stats, rebuild_archive, save_layout
 from archive._schema import SCHEMA_VERSION
 from archive._store import PendingEntry, Store
-from archive._view import Objective, RunNotFound, RunView, pareto_front, read_run
+from archive._view import OFFERS_KEY, Objective, RunNotFound, RunView, pareto_front, read_run
 
 __all__ = [
     "LAYOUT_KEY",
+    "OFFERS_KEY",
     "OUTCOME_RANK",
     "SCHEMA_VERSION",
     "AddStatus",

@@ -107,10 +107,14 @@ class Store(LLMRecords):
 
     def set_meta(self, key: str, value: str) -> None:
         """Stores a text value (the resolved config as YAML, the archive layout as JSON, ...)."""
+        self.set_metas({key: value})
+
+    def set_metas(self, values: dict[str, str]) -> None:
+        """Stores several text values in one transaction: all of them, or (after a crash) none."""
         with self._write() as c:
-            c.execute(
+            c.executemany(
                 "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                (key, value),
+                list(values.items()),
             )
 
     def get_meta(self, key: str) -> str | None:

@@ -25,7 +25,11 @@ from archive._query import rebuild_archive
 from archive._store import Store
 from runtime import runs as _runtime_runs
 
-__all__ = ["Objective", "RunNotFound", "RunView", "pareto_front", "read_run"]
+__all__ = ["OFFERS_KEY", "Objective", "RunNotFound", "RunView", "pareto_front", "read_run"]
+
+OFFERS_KEY = "offers"
+"""Store meta: a JSON list of what a run's task was offered while it ran (an engine task's kernels from the
+kernel runs it follows), each with ``at`` (unix time) and ``evaluations`` (how many were done by then)."""
 
 
 class RunNotFound(StoreError, _runtime_runs.RunNotFound):
@@ -114,6 +118,10 @@ class RunView:
         for p in json.loads(self.store.get_meta("sys_path") or "[]"):
             if p not in sys.path:
                 sys.path.append(p)
+
+    def offers(self) -> list[dict[str, Any]]:
+        """What the task was offered during the run, in order (see :data:`OFFERS_KEY`); none for most runs."""
+        return list(json.loads(self.store.get_meta(OFFERS_KEY) or "[]"))
 
     # -- what it holds -----------------------------------------------------------------------------
 

@@ -65,7 +65,9 @@ def _with_overrides(config: RunConfig, **kw: Any) -> RunConfig:
 @click.option("--resume", is_flag=True, help="continue the run in the run dir from where it stopped")
 @click.option("--ray", metavar="[ADDRESS]", is_flag=False, flag_value="auto", default=None,
               help="evaluate on a Ray cluster (default address: auto, the one `ray start` made here)")
-def run(config_path: Path, run_dir: Path | None, resume: bool, **overrides: Any) -> None:
+@click.option("--no-confirm", is_flag=True, help="stop without confirming the best (for a session the run is "
+              "resumed from: the session that ends the run confirms)")
+def run(config_path: Path, run_dir: Path | None, resume: bool, no_confirm: bool, **overrides: Any) -> None:
     """Run the search described by CONFIG (a YAML file)."""
     from evo.reporting import RichReporter
     from evo.search import Search
@@ -96,6 +98,9 @@ def run(config_path: Path, run_dir: Path | None, resume: bool, **overrides: Any)
         config = _with_overrides(config, **overrides)
         rd = RunDir.create(path, config)
     _configure_logging(rd.log_dir / "run.log")
+    if no_confirm:  # this session only: the stored config keeps its confirmation
+        unconfirmed = config.search.confirm.model_copy(update={"repeats": 0})
+        config = config.model_copy(update={"search": config.search.model_copy(update={"confirm": unconfirmed})})
     task = config.make_task()
     search = Search(config, rd, reporter=RichReporter(unit=task.unit))
     try:

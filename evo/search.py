@@ -8,6 +8,7 @@ proposals (:mod:`evo.proposer`: selection, operators, dedup), budgets (:mod:`evo
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -17,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
-from archive import AddStatus, Candidate, Store, rebuild_archive
+from archive import OFFERS_KEY, AddStatus, Candidate, Store, read_run, rebuild_archive
 from evo.budget import Budget
 from evo.config import RunConfig
 from evo.confirm import CONFIRMED, confirmed_result
@@ -92,6 +94,7 @@ class Search:
         self._duels: dict[str, tuple[tuple[EvalRequest, EvalResult], Candidate]] = {}
         self._evaluated = 0
         self._session = 0
+        self._offers_due = 0.0  # monotonic time of the next look for new offers (now: a resumed run looks first)
 
     def _llm_operators(self) -> dict[str, Operator]:
         """Model-backed operators, when the config has an ``llm:`` section (see evo.llm)."""
@@ -128,6 +131,7 @@ class Search:
         last_snapshot, stopped = 0.0, ""
         try:
             while True:
+                queue[:0] = self._new_offers()  # what a new offer makes possible goes first
                 queue += self.proposer.harvest()
                 while executor.in_flight < self.workers and budget.may_submit(self._evaluated, executor.in_flight):
                     cand = queue.pop(0) if queue else self.proposer.propose()
@@ -176,6 +180,38 @@ class Search:
         )
         self.reporter.finish(summary)
         return summary
+
+    # --- what the task offers -------------------------------------------------------------------
+
+    def _new_offers(self) -> list[Candidate]:
+        """What the runs the task reads offer since the last look (an engine task's followed kernel runs):
+        from now on every request carries the grown args, the stored config offers it to a resumed run, and
+        the store's ``offers`` says what was offered after how many evaluations. Returns candidates that
+        try each addition in the best genome."""
+        every = self.task.offers_every_s()
+        if not every or time.monotonic() < self._offers_due:
+            return []
+        self._offers_due = time.monotonic() + every
+        got = type(self.task).new_offers(self.config.task.args, read_run)
+        if got is None:
+            return []
+        args, added = got
+        config = self.config.model_copy(update={"task": self.config.task.model_copy(update={"args": args})})
+        task = config.make_task()
+        self.config, self.task, self.space = config, task, config.make_space(task)
+        self.proposer.task, self.proposer.space = self.task, self.space
+        offers = json.loads(self.store.get_meta(OFFERS_KEY) or "[]")
+        offers += [{**a, "at": time.time(), "evaluations": self._evaluated} for a in added]
+        stored = yaml.safe_load(self.store.get_meta("config") or "{}")  # as frozen, this session's budget aside
+        stored["task"]["args"] = args
+        text = yaml.safe_dump(stored, sort_keys=False)
+        self.store.set_metas({"config": text, OFFERS_KEY: json.dumps(offers)})
+        (self.run_dir.path / "config.yaml").write_text(text)
+        for a in added:
+            self.reporter.note(f"offered {a['slot']} kernel {a['id'][:12]} of {a['run_dir']} "
+                               f"after {self._evaluated} evaluations")  # fmt: skip
+        base = self._best.genome if self._best is not None else None
+        return [c for g in task.offer_seeds(base, added) if (c := self.proposer.add(g, [], "offer")) is not None]
 
     # --- the initial population -----------------------------------------------------------------
 

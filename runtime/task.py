@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -82,6 +82,22 @@ class Task(abc.ABC):
         ``runs`` opens other runs a task reads from (an engine task's kernel runs).
         The default task takes neither: ``args`` unchanged."""
         return dict(args)
+
+    def offers_every_s(self) -> float:
+        """How often a search asks :meth:`new_offers` for what appeared in the runs this task reads (0: never,
+        what the task offers is frozen when the run starts). The default task reads no run."""
+        return 0.0
+
+    @classmethod
+    def new_offers(cls, args: Mapping[str, Any], runs: OpenRun) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        """Resolved ``args`` grown by what the runs they read offer now and did not when they were resolved,
+        and one record per addition; ``None``: nothing new. Offers only grow: every genome of the run stays
+        in the space. The default task reads no run."""
+        return None
+
+    def offer_seeds(self, base: Genome | None, added: Sequence[Mapping[str, Any]]) -> list[Genome]:
+        """Genomes that try what :meth:`new_offers` added, starting from ``base`` (the run's best, if any)."""
+        return []
 
     # --- what may vary --------------------------------------------------------------------------
 

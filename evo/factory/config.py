@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from evo.config import ExecutionConfig
 from evo.errors import UserError
 
 __all__ = ["FactoryConfig", "load_factory_config"]
@@ -34,7 +35,16 @@ class BudgetConfig(_Model):
     rounds: int = Field(2, ge=1, description="profile -> plan -> searches -> promotion, this many times")
     kernel_evals: int = Field(60, ge=1, description="kernel evaluations per round, shared by the slots' searches")
     engine_evals: int = Field(30, ge=1, description="engine evaluations per round")
+    engine_after_kernels: int = Field(5, ge=1, description="of those, how many wait for the round's kernel "
+                                      "searches to end (they see every kernel found); the rest run alongside")
     min_evals: int = Field(6, ge=1, description="evaluations a planned kernel search gets at least")
+
+    @model_validator(mode="after")
+    def _after_within_engine(self) -> BudgetConfig:
+        if self.engine_after_kernels > self.engine_evals:
+            raise ValueError(f"engine_after_kernels ({self.engine_after_kernels}) is more than engine_evals "
+                             f"({self.engine_evals})")  # fmt: skip
+        return self
 
 
 class PlanConfig(_Model):
@@ -62,6 +72,9 @@ class FactoryConfig(_Model):
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
     promote: PromoteConfig = Field(default_factory=PromoteConfig)
+    execution: ExecutionConfig = Field(
+        default_factory=ExecutionConfig, description="where the searches evaluate (kind: ray spreads every search "
+        "over the cluster's nodes, and a round's kernel searches then run at once); profiles and duels run here")
     seed: int = Field(0, description="seed of every search")
 
 

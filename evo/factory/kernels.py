@@ -35,17 +35,19 @@ def kernel_run_config(task: str, config: FactoryConfig, model: ModelConfig, max_
         "search": {"seed": config.seed, "initial_random": 8},
         "budget": {"max_evals": max_evals},
         "archive": {"kind": "grid", "descriptors": descriptors, "bins": bins if len(bins) > 1 else bins[0]},
+        "execution": config.execution.model_dump(mode="json"),
     }
 
 
 def engine_run_config(config: FactoryConfig, kernel_runs: dict[str, Path]) -> dict[str, Any]:
-    """The engine search: the factory's load, offered the top 2 elites of each kernel run by its slot."""
+    """The engine search: the factory's load, following each kernel run by its slot (its top 2 elites
+    offered, and each new one as it lands: the kernel searches run alongside, and a run may not exist yet)."""
     from runtime.task import load_task_class
 
     by_slot: dict[str, list[dict[str, Any]]] = {}
     for task, run_dir in sorted(kernel_runs.items()):
         slot = load_task_class(task).slot.name  # type: ignore[attr-defined]  # a slot task: it declares it
-        by_slot.setdefault(slot, []).append({"run_dir": str(run_dir), "top": 2})
+        by_slot.setdefault(slot, []).append({"run_dir": str(run_dir), "top": 2, "follow": True, "optional": True})
     load = config.load
     args: dict[str, Any] = {
         "threads": load.threads, "concurrency": load.concurrency, "duration_s": load.duration_s,
@@ -61,5 +63,6 @@ def engine_run_config(config: FactoryConfig, kernel_runs: dict[str, Path]) -> di
         "budget": {"max_evals": config.budget.engine_evals},
         "archive": {"descriptors": ["p99_ms", "memory_mb"], "bins": [4, 4],
                     "ranges": [[0, load.p99_budget_ms], [0, 4096]]},
+        "execution": config.execution.model_dump(mode="json"),
     }  # fmt: skip
 

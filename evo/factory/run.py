@@ -19,7 +19,9 @@ would only queue on the timing lock, which holds the machine for every timing an
 
 from __future__ import annotations
 
+import ctypes
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +38,32 @@ from evo.factory.measure import measure
 from evo.factory.plan import Plan, make_plan
 
 __all__ = ["Factory", "read_promotions"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In a search's process before it runs: a factory killed (even with -9) takes its searches with it."""
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class _Search:
+    """One ``evo run`` in its own process, its output appended to its log."""
+
+    def __init__(self, cmd: list[str], log: Path) -> None:
+        self.cmd, self.log = cmd, log
+        with log.open("a") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+
+    def wait(self) -> None:
+        code = self.proc.wait()
+        if code != 0:
+            raise RuntimeError(f"evo run {self.cmd[4]} ended {code}: see {self.log}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def read_promotions(factory_dir: Path) -> list[dict[str, Any]]:
@@ -85,9 +113,7 @@ class Factory:
             self.note(f"round {n} of {self.config.budget.rounds}")
             profile = self._profile(n)
             plan = self._plan(n, profile)
-            for search in plan.searches:
-                self._kernel_search(n, search.task, search.evals)
-            engine_run = self._engine_search(n)
+            engine_run = self._searches(n, plan)
             self._duel(n, engine_run)
 
     def _profile(self, n: int) -> dict[str, Any]:
@@ -135,11 +161,44 @@ class Factory:
         path = self.path / "runs" / task / "factory-rounds.json"
         return {int(k): v for k, v in json.loads(path.read_text()).items()} if path.exists() else {}
 
-    def _kernel_search(self, n: int, task: str, evals: int) -> None:
+    def _searches(self, n: int, plan: Plan) -> Path:
+        """Round ``n``'s kernel searches, with its engine search alongside following their runs (it offers each
+        new kernel elite as it lands); the engine search's last ``engine_after_kernels`` evaluations wait for
+        the kernel searches to end, so they try every kernel the round found."""
+        run_dir = self.path / "runs" / f"engine-r{n}"
+        if (run_dir / "factory-done").exists():
+            return run_dir
+        config = self._engine_config(n, plan)
+        b = self.config.budget
+        pending = [s for s in plan.searches if n not in self._history(s.task)]
+        started: list[_Search] = []
+        try:
+            if pending and b.engine_evals > b.engine_after_kernels:
+                self.note(f"engine search round {n}: alongside the kernel searches, following their runs")
+                started.append(self._start(config, run_dir, max_evals=b.engine_evals - b.engine_after_kernels,
+                                           confirm=False))  # its last session confirms
+            at_once = self.config.execution.kind == "ray"  # a cluster has room for every search at once
+            for group in ([pending] if at_once else [[s] for s in pending]):
+                kernels = [(s.task, self._start_kernel(n, s.task, s.evals)) for s in group]
+                started += [k for _, (k, _) in kernels]
+                for task, (search, before) in kernels:
+                    search.wait()
+                    self._end_kernel(n, task, before)
+            for search in started:
+                search.wait()
+            self.note(f"engine search round {n}: its last evaluations, offered every kernel the round found")
+            started.append(self._start(config, run_dir, max_evals=b.engine_evals))
+            started[-1].wait()
+        finally:
+            for search in started:
+                search.kill()  # a failed search (or an interrupt) leaves none running
+        (run_dir / "factory-done").write_text("")
+        self._event("searched", round=n, task="engine", evaluations=self._evaluations(run_dir),
+                    best=self._best(run_dir), offered=self._offers(run_dir))  # fmt: skip
+        return run_dir
+
+    def _start_kernel(self, n: int, task: str, evals: int) -> tuple[_Search, float | None]:
         run_dir = self.path / "runs" / task
-        history = self._history(task)
-        if n in history:
-            return
         exists = (run_dir / "archive.db").exists()
         before = self._best(run_dir) if exists else None
         target = self._target(task, n)  # from the plans: a search resumed after a crash gets no more
@@ -148,7 +207,11 @@ class Factory:
         if not exists:  # a resumed run keeps the config it started with; only its budget grows
             config.write_text(yaml.safe_dump(kernel_run_config(task, self.config, self._model_config(), target)))
         self.note(f"kernel search {task}: {evals} evaluations (to {target} in all)")
-        self._evo_run(config, run_dir, resume=exists, max_evals=target)
+        return self._start(config, run_dir, max_evals=target), before
+
+    def _end_kernel(self, n: int, task: str, before: float | None) -> None:
+        run_dir = self.path / "runs" / task
+        history = self._history(task)
         history[n] = {"before": before, "after": self._best(run_dir)}
         self._write(run_dir / "factory-rounds.json", {str(k): v for k, v in history.items()})
         self._event("searched", round=n, task=task, evaluations=self._evaluations(run_dir), **history[n])
@@ -161,23 +224,24 @@ class Factory:
             total += sum(s["evals"] for s in plan["searches"] if s["task"] == task)
         return total
 
-    def _engine_search(self, n: int) -> Path:
-        run_dir = self.path / "runs" / f"engine-r{n}"
+    def _engine_config(self, n: int, plan: Plan) -> Path:
+        """Round ``n``'s engine run config (written once): following every kernel run the factory has and the
+        round plans."""
         config = self.path / "configs" / f"engine-r{n}.yaml"
-        kernel_runs = {t: self.path / "runs" / t for t in self._searched_tasks()}
-        config.parent.mkdir(exist_ok=True)
         if not config.exists():
+            tasks = set(self._searched_tasks()) | {s.task for s in plan.searches}
+            kernel_runs = {t: self.path / "runs" / t for t in sorted(tasks)}
+            config.parent.mkdir(exist_ok=True)
             config.write_text(yaml.safe_dump(engine_run_config(self.config, kernel_runs)))
-        marker = run_dir / "factory-done"
-        if marker.exists():
-            return run_dir
-        self.note(f"engine search round {n}: offered {', '.join(sorted(kernel_runs)) or 'no'} kernel runs")
-        resume = (run_dir / "archive.db").exists()
-        self._evo_run(config, run_dir, resume=resume, max_evals=self.config.budget.engine_evals)
-        marker.write_text("")
-        self._event("searched", round=n, task="engine", evaluations=self._evaluations(run_dir),
-                    best=self._best(run_dir))  # fmt: skip
-        return run_dir
+        return config
+
+    def _offers(self, run_dir: Path) -> list[dict[str, Any]]:
+        """What the engine run was offered while it ran: slot, kernel id, after how many evaluations."""
+        from archive import read_run
+
+        with read_run(run_dir) as run:
+            offers = run.offers()
+        return [{"slot": o["slot"], "id": o["id"], "evaluations": o["evaluations"]} for o in offers]
 
     def _duel(self, n: int, engine_run: Path) -> None:
         path = self.path / "duels" / f"round-{n}.json"
@@ -252,17 +316,17 @@ class Factory:
 
         return EvalSettings().timing.lock_file
 
-    def _evo_run(self, config: Path, run_dir: Path, *, resume: bool, max_evals: int) -> None:
+    def _start(self, config: Path, run_dir: Path, *, max_evals: int, confirm: bool = True) -> _Search:
+        """``evo run`` of ``config`` in ``run_dir`` (resumed if it exists) up to ``max_evals``, started."""
         cmd = [sys.executable, "-m", "evo", "run", str(config), "--run-dir", str(run_dir), "--max-evals",
                str(max_evals)]  # fmt: skip
-        if resume:
+        if (run_dir / "archive.db").exists():
             cmd.append("--resume")
+        if not confirm:
+            cmd.append("--no-confirm")
         log = self.path / "logs" / f"{run_dir.name}.log"
         log.parent.mkdir(exist_ok=True)
-        with log.open("a") as out:
-            done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
-        if done.returncode != 0:
-            raise RuntimeError(f"evo run {config} ended {done.returncode}: see {log}")
+        return _Search(cmd, log)
 
     @staticmethod
     def _evaluations(run_dir: Path) -> int:

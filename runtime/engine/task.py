@@ -56,6 +56,8 @@ class KernelRun(BaseModel):
     ids: list[str] | None = Field(None, description="offer exactly these elite ids instead of the top ones")
     optional: bool = Field(False, description="no such run (or no ok elite in it) leaves the slot to numpy "
                            "instead of being an error")
+    follow: bool = Field(False, description="offer each new elite of the run's top ones as it lands during the "
+                         "search (read every `follow_every_s`), not only those there when the search started")
     offered: dict[str, OfferedKernel] | None = Field(None, description="elite id -> its kernel, as read")
     unreadable: str | None = Field(None, description="why the run could not be read when the task was resolved")
 
@@ -92,6 +94,8 @@ class EngineArgs(TaskArgs):
         runs = self.kernels.get(slot, [])
         return runs if isinstance(runs, list) else [runs]
     seed: int = Field(0, description="seed of the request texts")
+    follow_every_s: float = Field(10.0, gt=0, description="how often the kernel runs marked `follow` are read "
+                                  "for new elites during the search")
     model_dir: str | None = Field(None, description="a BERT sentence encoder's directory, in the sentence-transformers "
                                   "layout (default: the bundled all-MiniLM-L6-v2)")
 
@@ -140,6 +144,42 @@ class EngineTask(Task):
             out["model_dir"] = os.path.join(cwd, out["model_dir"])
         return out
 
+    def offers_every_s(self) -> float:
+        followed = any(kr.follow for slot in self.args.kernels for kr in self.args.kernel_runs(slot))
+        return self.args.follow_every_s if followed else 0.0
+
+    @classmethod
+    def new_offers(cls, args: Mapping[str, Any], runs: OpenRun) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        """Each followed kernel run's top elites that it did not offer yet added to its offer (a run not
+        there yet, or with no ok elite, is read again next time)."""
+        added: list[dict[str, Any]] = []
+
+        def grow(kr: Any, slot: str) -> Any:
+            if isinstance(kr, list):
+                return [grow(k, slot) for k in kr]
+            if not (isinstance(kr, Mapping) and kr.get("follow")):
+                return kr
+            got = _read({k: v for k, v in kr.items() if k not in ("ids", "offered", "unreadable")}, slot, runs)
+            offered = dict(kr.get("offered") or {})
+            new = {cid: k for cid, k in (got.get("offered") or {}).items() if cid not in offered}
+            if not new:
+                return kr
+            added.extend({"slot": slot, "run_dir": kr["run_dir"], "id": cid, "task": k["task"]}
+                         for cid, k in new.items())  # fmt: skip
+            rest = {k: v for k, v in kr.items() if k != "unreadable"}
+            return {**rest, "ids": [*(kr.get("ids") or []), *new], "offered": {**offered, **new}}
+
+        kernels = args.get("kernels")
+        if not isinstance(kernels, Mapping):
+            return None
+        grown = {slot: grow(kr, slot) for slot, kr in kernels.items()}
+        return ({**args, "kernels": grown}, added) if added else None
+
+    def offer_seeds(self, base: Genome | None, added: Sequence[Mapping[str, Any]]) -> list[Genome]:
+        """``base`` (else the default engine) with each new kernel in its slot."""
+        start = dict(base.params) if base is not None else dict(self.seeds()[0].params)
+        return [Genome(params={**start, f"kernel_{a['slot']}": a["id"][:16]}) for a in added]
+
     # --- the genome -----------------------------------------------------------------------------
 
     @property
@@ -154,11 +194,13 @@ class EngineTask(Task):
                 if slot not in SLOTS:
                     raise SpaceError(f"task.args.kernels: unknown slot {slot!r} (slots: {', '.join(SLOTS)})")
                 ids: list[str] = []
+                followed = False
                 for kr in self.args.kernel_runs(slot):
+                    followed = followed or kr.follow
                     if not kr.offered:
                         why = kr.unreadable or f"{kr.run_dir} was not read (the task's args were not resolved)"
                         if kr.optional:
-                            log.info("task.args.kernels.%s: %s: not offered", slot, why)
+                            log.info("task.args.kernels.%s: %s: not offered (yet)", slot, why)
                             continue
                         raise SpaceError(f"task.args.kernels.{slot}: {why}: evolve the kernels first, "
                                          f"or drop the slot (or mark it optional: true)")
@@ -168,7 +210,7 @@ class EngineTask(Task):
                             self._sources[(slot, short)] = KernelSource(slot, cid, kernel.source, tuple(kernel.flags),
                                                                         kernel.task)  # fmt: skip
                             ids.append(short)
-                if ids:
+                if ids or followed:  # a followed run offers nothing yet: the slot's gene is there, numpy only
                     choices[slot] = ids
             self._choices = choices
         return self._choices
@@ -209,8 +251,8 @@ class EngineTask(Task):
         seeds = [base]
         if self.cores > 1:
             seeds += [{**base, "workers": self.cores}, {**base, "workers": self.cores, "worker_kind": "process"}]
-        if choices:
-            seeds.append({**base, **{f"kernel_{s}": ids[0] for s, ids in choices.items()}})
+        if any(choices.values()):
+            seeds.append({**base, **{f"kernel_{s}": ids[0] for s, ids in choices.items() if ids}})
         return [Genome(params=p) for p in seeds]
 
     def engine_config(self, genome: Genome) -> EngineConfig:
@@ -319,8 +361,8 @@ class EngineTask(Task):
 def _read(kr: dict[str, Any], slot: str, runs: OpenRun | None) -> dict[str, Any]:
     """A kernel run entry of ``slot`` with what the run offers read into it (as given when it was read
     already, or when there is nothing to read it with)."""
-    if runs is None or kr.get("offered") is not None:
-        return kr
+    if runs is None or kr.get("offered") is not None or kr.get("unreadable") is not None:
+        return kr  # read once already: a resumed run offers what it did (a followed run grows by new_offers)
     try:
         run = runs(kr["run_dir"])
         try:
@@ -331,7 +373,7 @@ def _read(kr: dict[str, Any], slot: str, runs: OpenRun | None) -> dict[str, Any]
             run.close()
     except (RunNotFound, ValueError, TypeError) as exc:
         return {**{k: v for k, v in kr.items() if k != "unreadable"}, "unreadable": str(exc)}
-    return {**kr, "ids": [k.id for k in offer],
+    return {**{k: v for k, v in kr.items() if k != "unreadable"}, "ids": [k.id for k in offer],
             "offered": {k.id: {"source": k.source, "flags": list(k.flags), "task": k.task} for k in offer}}
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -21,8 +20,22 @@ def evo(*args: str, cwd: Path, timeout: float = 900, **kw) -> subprocess.Complet
                           timeout=timeout, **kw)  # fmt: skip
 
 
+def _processes_naming(path: Path) -> list[str]:
+    """Command lines of the live processes that name ``path`` (a factory's searches)."""
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(path) in cmd:
+            out.append(cmd)
+    return out
+
+
 def killed_and_resumed_factory(tmp: Path) -> Path:
-    """A one-round factory on a small random BERT, killed with -9 during its engine search and resumed."""
+    """A one-round factory on a small random BERT, killed with -9 (the factory alone) once its first kernel
+    search is done and its engine search is running alongside the second, then resumed."""
     from bert_models import make_bert
 
     make_bert(tmp / "tiny-bert", hidden=64, heads=4, layers=2, intermediate=128)
@@ -30,7 +43,7 @@ def killed_and_resumed_factory(tmp: Path) -> Path:
         "model_dir": "tiny-bert",
         "load": {"threads": 2, "concurrency": 2, "duration_s": 0.3, "warmup_s": 0.05, "texts": 16,
                  "lengths": {10: 1.0}, "p99_budget_ms": 10000},
-        "budget": {"rounds": 1, "kernel_evals": 4, "engine_evals": 3, "min_evals": 2},
+        "budget": {"rounds": 1, "kernel_evals": 4, "engine_evals": 4, "engine_after_kernels": 2, "min_evals": 2},
         "plan": {"slots": ["gelu", "layernorm"], "min_share": 0.0},
         "promote": {"held_out_texts": 16, "rounds": 1, "duration_s": 0.5, "min_gain": -0.5},
     }  # fmt: skip
@@ -38,18 +51,22 @@ def killed_and_resumed_factory(tmp: Path) -> Path:
     env = {**os.environ, "EVOFORGE_MEMORY_DIR": str(tmp / "memory")}
     out = tmp / "fac"
     proc = subprocess.Popen([sys.executable, "-m", "evo", "factory", "factory.yaml", "--dir", str(out)], cwd=tmp,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
-    while not (out / "runs" / "engine-r1" / "archive.db").exists() and time.monotonic() < deadline:
-        assert proc.poll() is None, "the factory ended before its engine search"
+    while not list((out / "runs").glob("*/factory-rounds.json")) and time.monotonic() < deadline:
+        assert proc.poll() is None, "the factory ended before its first kernel search did"
         time.sleep(0.2)
-    time.sleep(1.0)
-    os.killpg(proc.pid, signal.SIGKILL)
+    assert (out / "runs" / "engine-r1" / "archive.db").exists(), "no engine search alongside the kernel searches"
+    os.kill(proc.pid, signal.SIGKILL)  # the factory only: its searches die with it
     proc.wait()
+    deadline = time.monotonic() + 30
+    while _processes_naming(out):
+        assert time.monotonic() < deadline, f"searches outlived their factory: {_processes_naming(out)}"
+        time.sleep(0.2)
     assert not (out / "duels" / "round-1.json").exists()
-    searched = {t: json.loads((out / "runs" / t / "factory-rounds.json").read_text()) for t in ("gelu", "layernorm")}
+    searched = {p.parent.name: p.read_text() for p in (out / "runs").glob("*/factory-rounds.json")}
     resumed = evo("factory", "factory.yaml", "--dir", str(out), "--resume", cwd=tmp, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for task, rounds in searched.items():  # the kernel searches were done: not run again
-        assert json.loads((out / "runs" / task / "factory-rounds.json").read_text()) == rounds
+    for task, rounds in searched.items():  # the kernel searches that were done: not run again
+        assert (out / "runs" / task / "factory-rounds.json").read_text() == rounds
     return out

@@ -70,6 +70,17 @@ def test_a_factory_profiles_plans_searches_and_promotes(factory):
             assert store.count() - store.count("pending") == s["evals"]  # the planned budget, not more
     engine_cfg = yaml.safe_load((factory / "configs" / "engine-r1.yaml").read_text())
     assert set(engine_cfg["task"]["args"]["kernels"]) == {"gelu", "layernorm"}  # offered the kernel runs
+    from archive import read_run
+
+    with read_run(factory / "runs" / "engine-r1") as engine:  # it followed them: offered each elite as it landed
+        offers = engine.offers()
+        stored = engine.task_args["kernels"]
+        tried = [c for c in engine.evaluated() if c.operator == "offer"]
+    assert {o["slot"] for o in offers} == {"gelu", "layernorm"}
+    assert len({o["id"] for o in offers}) == len(offers)  # the resumed search offered none twice
+    for o in offers:
+        assert o["id"] in stored[o["slot"]]["offered"] and o["evaluations"] >= 0 and o["at"] > 0
+    assert tried, "no candidate tried a newly offered kernel"
     duel = json.loads((factory / "duels" / "round-1.json").read_text())
     assert duel["engines"]["candidate"]["elite"] and duel["engines"]["incumbent"] is None  # against the default
     figures = duel["figures"]["candidate"]
