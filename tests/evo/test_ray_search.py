@@ -1,6 +1,6 @@
 """`evo run --ray` end to end on a real two-node Ray cluster started on this machine: the search's results
-match the local pool's statuses, both nodes evaluate, and a driver killed with kill -9 resumes on the
-cluster with every candidate recorded once."""
+match the local pool's statuses, both nodes evaluate, a driver killed with kill -9 resumes on the
+cluster with every candidate recorded once, and a factory spreads its searches over the nodes."""
 
 from __future__ import annotations
 
@@ -94,32 +94,44 @@ def test_a_driver_killed_mid_run_resumes_on_the_cluster(cluster, tmp_path):
     assert done_before <= {r[0] for r in evaluated}
 
 
-def test_an_engine_search_on_the_cluster_gets_its_kernels_in_the_task(cluster, tmp_path):
-    """The kernel run lives on the driver's disk only; the nodes get its elites' sources in the task's
-    arguments, read when the driver resolved them."""
-    ln = tmp_path / "ln.yaml"
-    ln.write_text(yaml.safe_dump({
-        "task": {"name": "layernorm", "args": {"rows": 64, "cols": 384}},
-        "evaluation": {"timing": {"max_seconds": 0.1, "max_repeats": 10, "min_seconds": 0}, "check_trials": 1},
-        "search": {"workers": 1, "initial_random": 1}, "budget": {"max_evals": 3},
-        "archive": {"descriptors": ["vector_width"], "bins": 4}, "memory": {"enabled": False}}))  # fmt: skip
-    assert _evo("run", str(ln), "--run-dir", str(tmp_path / "ln"), cwd=tmp_path).returncode == 0
-    eng = tmp_path / "eng.yaml"
-    eng.write_text(yaml.safe_dump({
-        "task": {"name": "engine", "args": {
-            "threads": 1, "concurrency": 2, "duration_s": 0.3, "warmup_s": 0.05, "texts": 16,
-            "lengths": {10: 1.0}, "p99_budget_ms": 10000, "kernels": {"layernorm": {"run_dir": "ln", "top": 2}}}},
-        "space": {"params": {"max_batch": {"type": "pow2", "low": 1, "high": 8}, "worker_kind": ["thread"]}},
-        "search": {"initial_random": 3}, "budget": {"max_evals": 5},
-        "archive": {"descriptors": ["p99_ms"], "bins": 3, "ranges": [[0, 10000]]}, "memory": {"enabled": False}}))
-    out = _evo("run", str(eng), "--run-dir", str(tmp_path / "eng"), "--ray", cluster.address, cwd=tmp_path)
+def test_a_factory_spreads_its_searches_over_the_cluster(cluster, tmp_path):
+    """A factory with execution on the cluster: its kernel searches run at once, every search evaluates on
+    the nodes, and the engine search's kernels (runs on the driver's disk only) reach the nodes in the
+    task's arguments; the profile and the duel run on the driver's machine."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "runtime" / "engine"))
+    from bert_models import make_bert
+
+    make_bert(tmp_path / "tiny-bert", hidden=64, heads=4, layers=2, intermediate=128)
+    (tmp_path / "factory.yaml").write_text(yaml.safe_dump({
+        "model_dir": "tiny-bert",
+        "load": {"threads": 1, "concurrency": 2, "duration_s": 0.3, "warmup_s": 0.05, "texts": 16,
+                 "lengths": {10: 1.0}, "p99_budget_ms": 10000},
+        "budget": {"rounds": 1, "kernel_evals": 6, "engine_evals": 4, "engine_after_kernels": 2, "min_evals": 3},
+        "plan": {"slots": ["gelu", "layernorm"], "min_share": 0.0},
+        "promote": {"held_out_texts": 16, "rounds": 1, "duration_s": 0.3, "min_gain": -0.9},
+        "execution": {"kind": "ray", "address": cluster.address}}))  # fmt: skip
+    env = {**os.environ, "EVOFORGE_MEMORY_DIR": str(tmp_path / "memory")}
+    out = subprocess.run([sys.executable, "-m", "evo", "factory", "factory.yaml", "--dir", "fac"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = _rows(tmp_path / "eng")
-    assert [r[1] for r in rows] == ["ok"] * 5, [(r[1], r[3].get("error")) for r in rows]
-    with sqlite3.connect(tmp_path / "eng" / "archive.db") as db:
-        params = [json.loads(p) for (p,) in db.execute("SELECT params FROM candidates")]
-    assert any(p.get("kernel_layernorm", "numpy") != "numpy" for p in params)  # an evolved kernel, on a node
-    assert all(r[3].get("node") for r in rows)
+    fac = tmp_path / "fac"
+    spans = {}
+    for task in ("gelu", "layernorm"):
+        with sqlite3.connect(fac / "runs" / task / "archive.db") as db:
+            got = db.execute("SELECT status, metrics, created_at, evaluated_at FROM candidates").fetchall()
+        done = [(m, t) for status, m, _, t in got if status != "pending"]
+        assert len(done) == 3 and all(json.loads(m).get("node") for m, _ in done), got
+        spans[task] = (min(c for _, _, c, _ in got), max(t for _, t in done))  # its first proposal, last result
+    (a0, a1), (b0, b1) = spans.values()
+    assert a0 < b1 and b0 < a1, spans  # started at once (the cluster's slots then serve them as they free up)
+    rows = _rows(fac / "runs" / "engine-r1")
+    evaluated = [r for r in rows if r[1] != "pending"]
+    assert evaluated and all(r[1] == "ok" and r[3].get("node") for r in evaluated), evaluated
+    with sqlite3.connect(fac / "runs" / "engine-r1" / "archive.db") as db:
+        params = [json.loads(p) for (p,) in db.execute("SELECT params FROM candidates WHERE status = 'ok'")]
+    assert any(v != "numpy" for p in params for k, v in p.items() if k.startswith("kernel_"))  # evolved, on a node
+    duel = json.loads((fac / "duels" / "round-1.json").read_text())
+    assert duel["figures"]["candidate"]["throughput"] > 0 and duel["promoted"], duel["why"]
 
 
 def test_an_unreachable_cluster_ends_the_run_in_one_line(tmp_path):
