@@ -63,17 +63,11 @@ def run(config_path: Path, path: Path | None, resume: bool, rounds: int | None) 
 
 
 def _status(path: Path) -> dict[str, Any]:
-    from evo.factory import read_promotions
+    from evo.factory import read_events, read_promotions
 
     if not (path / "factory.yaml").exists():
         raise UserError(f"no factory in {path} (expected {path / 'factory.yaml'})")
-    events = []
-    for line in (path / "events.jsonl").read_text().splitlines() if (path / "events.jsonl").exists() else []:
-        try:
-            events.append(json.loads(line))
-        except ValueError:  # a line torn by a kill: the step it records is redone on --resume
-            continue
-    return {"dir": str(path), "events": events, "promotions": read_promotions(path)}
+    return {"dir": str(path), "events": read_events(path), "promotions": read_promotions(path)}
 
 
 @factory.command()

@@ -2,6 +2,6 @@
 (``evo factory CONFIG``; see :mod:`evo.factory.run`)."""
 
 from evo.factory.config import FactoryConfig, load_factory_config
-from evo.factory.run import Factory, read_promotions
+from evo.factory.run import Factory, read_events, read_promotions
 
-__all__ = ["Factory", "FactoryConfig", "load_factory_config", "read_promotions"]
+__all__ = ["Factory", "FactoryConfig", "load_factory_config", "read_events", "read_promotions"]

@@ -37,7 +37,7 @@ from evo.factory.kernels import engine_run_config, kernel_run_config
 from evo.factory.measure import measure
 from evo.factory.plan import Plan, make_plan
 
-__all__ = ["Factory", "read_promotions"]
+__all__ = ["Factory", "read_events", "read_promotions"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -66,16 +66,28 @@ class _Search:
             self.proc.wait()
 
 
-def read_promotions(factory_dir: Path) -> list[dict[str, Any]]:
-    """Every promotion of the factory in ``factory_dir``, oldest first (a torn last line is skipped)."""
-    path = factory_dir / "promotions.jsonl"
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file, oldest first; a line torn by a kill (or anything not a record) is
+    skipped: the step it records is redone on --resume."""
     out = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             continue
+        if isinstance(record, dict):
+            out.append(record)
     return out
+
+
+def read_promotions(factory_dir: Path) -> list[dict[str, Any]]:
+    """Every promotion of the factory in ``factory_dir``, oldest first."""
+    return _read_jsonl(factory_dir / "promotions.jsonl")
+
+
+def read_events(factory_dir: Path) -> list[dict[str, Any]]:
+    """Every decision of the factory in ``factory_dir`` and when, oldest first."""
+    return _read_jsonl(factory_dir / "events.jsonl")
 
 
 class Factory:

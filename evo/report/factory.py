@@ -22,7 +22,7 @@ import yaml
 
 from archive import RunView, StoreError
 from evo.report.figures import png  # also sets the backend, and texts from the files are never TeX
-from evo.report.page import Report, Section, _table
+from evo.report.page import Report, Section, table
 
 __all__ = ["FactoryLog", "RunLine", "build", "is_factory", "marker", "read_factory", "search_spans", "served",
            "timeline"]  # fmt: skip
@@ -64,12 +64,10 @@ class FactoryLog:
 
 def read_factory(path: Path) -> FactoryLog:
     """What the factory in ``path`` holds now, each file as far as it can be read."""
-    from evo.factory_cli import _status
+    from evo.factory import read_events, read_promotions
 
-    got = _status(path)  # events and promotions, a line torn by a kill skipped
     runs = sorted((read_run_line(d) for d in _run_dirs(path)), key=_first)
-    return FactoryLog(path, _config(path), [e for e in got["events"] if isinstance(e, dict)],
-                      [p for p in got["promotions"] if isinstance(p, dict)], _rounds(path / "profiles"),
+    return FactoryLog(path, _config(path), read_events(path), read_promotions(path), _rounds(path / "profiles"),
                       _rounds(path / "duels"), runs)  # fmt: skip
 
 
@@ -298,7 +296,7 @@ def _summary(log: FactoryLog) -> Section:
     rows = [("directory", str(log.path)), ("rounds profiled", len(log.profiles)), ("rounds duelled", len(log.duels)),
             ("rounds planned in all", _dict(log.config.get("budget")).get("rounds")), ("served now", now),
             ("last decision", f"{decided.get('event')} at {_when(decided.get('at'))}" if decided else None)]
-    return Section("factory", "Factory", _table(None, rows, "kv"))
+    return Section("factory", "Factory", table(None, rows, "kv"))
 
 
 def _profiles(log: FactoryLog) -> Section:
@@ -310,7 +308,7 @@ def _profiles(log: FactoryLog) -> Section:
     rows.append(("engine time per pass (ms)", *(1e3 * p["total_s"] if _num(p.get("total_s")) else None
                                                for p in log.profiles.values())))  # fmt: skip
     return Section("profiles", "Profiles: where the engine's time went",
-                   _table(("slot or part", *(f"round {n}" for n in log.profiles)), rows))  # fmt: skip
+                   table(("slot or part", *(f"round {n}" for n in log.profiles)), rows))  # fmt: skip
 
 
 def _share(v: Any) -> float:
@@ -330,7 +328,7 @@ def _searches(log: FactoryLog) -> Section:
     if not rows:
         return Section("searches", "Searches", '<p class="none">no search finished yet.</p>')
     return Section("searches", "Searches",
-                   _table(("round", "task", "evaluations", "best before", "best after", "gain"), rows))  # fmt: skip
+                   table(("round", "task", "evaluations", "best before", "best after", "gain"), rows))  # fmt: skip
 
 
 def _value(v: Any, unit: str) -> str | None:
@@ -346,10 +344,10 @@ def _duels(log: FactoryLog) -> Section:
                      d.get("why")))  # fmt: skip
     head = ("round", "promoted", "gain", "sentences/s", "p99 (ms)", "min cosine", "incumbent's sentences/s",
             "incumbent's p99 (ms)", "why")  # fmt: skip
-    body = _table(head, rows) if rows else '<p class="none">no duel yet.</p>'
+    body = table(head, rows) if rows else '<p class="none">no duel yet.</p>'
     promoted = [(p.get("round"), _engine(p), p.get("throughput"), p.get("p99_ms"), p.get("similarity"),
                  _pct(p.get("gain")), _when(p.get("at"))) for p in log.promotions]  # fmt: skip
-    body += "<h3>Promotions</h3>" + (_table(("round", "engine", "sentences/s", "p99 (ms)", "min cosine", "gain",
+    body += "<h3>Promotions</h3>" + (table(("round", "engine", "sentences/s", "p99 (ms)", "min cosine", "gain",
                                              "when"), promoted) if promoted
                                      else '<p class="none">nothing promoted yet.</p>')  # fmt: skip
     return Section("duels", "Duels and promotions", body)
@@ -359,7 +357,7 @@ def _decisions(log: FactoryLog) -> Section:
     t0 = _clock(log)[0]
     rows = [(f"{e['at'] - t0:.0f}" if _num(e.get("at")) else None, e.get("round"), e.get("event"), _what(e),
              e.get("why")) for e in log.events]  # fmt: skip
-    body = _table(("t (s)", "round", "event", "what", "why"), rows) if rows else '<p class="none">no decision yet.</p>'
+    body = table(("t (s)", "round", "event", "what", "why"), rows) if rows else '<p class="none">no decision yet.</p>'
     return Section("decisions", "Decision log", body)
 
 

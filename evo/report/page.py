@@ -19,7 +19,7 @@ from typing import Any
 from archive import Candidate, Objective, RunView, StoreError, operator_stats
 from evo.report import figures
 
-__all__ = ["Report", "Section", "build", "document"]
+__all__ = ["Report", "Section", "build", "document", "table"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def build(view: RunView) -> Report:
     return report
 
 
-def _table(head: Sequence[str] | None, rows: Sequence[Sequence[Any]], cls: str = "") -> str:
+def table(head: Sequence[str] | None, rows: Sequence[Sequence[Any]], cls: str = "") -> str:
     """A table; ``head`` ``None``: a key-value table without a header row."""
     th = "".join(f"<th>{html.escape(str(h))}</th>" for h in head or ())
     thead = f"<thead><tr>{th}</tr></thead>" if head is not None else ""
@@ -96,7 +96,7 @@ def _summary(view: RunView, cands: list[Candidate], best: Candidate | None) -> S
         hw = view.store.hardware(best.hardware_id) if best.hardware_id else None
         if hw:
             rows.append(("measured on", hw.get("cpu_model") or hw.get("cpu") or json.dumps(hw)[:120]))
-    return Section("summary", "Summary", _table(None, rows, "kv"))
+    return Section("summary", "Summary", table(None, rows, "kv"))
 
 
 def _archive(report: Report, view: RunView, ok: list[Candidate]) -> Section:
@@ -144,12 +144,12 @@ def _operators(report: Report, view: RunView) -> Section:
         ops = operator_stats(view.store)
     except (StoreError, ValueError) as exc:  # no archive layout yet, or descriptors that do not fit it
         return Section("operators", "Operators and models", f'<p class="none">{html.escape(str(exc))}</p>')
-    body = _table(("operator", *_FUNNEL), [(n, *(r.get(k, 0) for k in _FUNNEL)) for n, r in sorted(ops.items())])
+    body = table(("operator", *_FUNNEL), [(n, *(r.get(k, 0) for k in _FUNNEL)) for n, r in sorted(ops.items())])
     body += report.figure("operators", figures.funnel(ops, "funnel per operator"), "funnel per operator")
     models = view.store.llm_stats("model")
     if models:
         keys = ("proposals", "applied", "compiled", "correct", "improved", "calls", "cached", "tokens_in", "tokens_out")
-        body += "<h3>Models</h3>" + _table(("model", *keys), [(m, *(r.get(k, 0) for k in keys))
+        body += "<h3>Models</h3>" + table(("model", *keys), [(m, *(r.get(k, 0) for k in keys))
                                                              for m, r in sorted(models.items())])  # fmt: skip
         body += report.figure("models", figures.funnel(models, "funnel per model"), "funnel per model")
     bandit = view.store.bandit_history()
@@ -172,7 +172,7 @@ def _lineage(view: RunView, best: Candidate) -> Section:
         rows.append((i, c.id[:12], c.operator, str(c.status), c.fitness, float(vs) if _num(vs) else None))
         if i:
             steps.append(_step_diff(chain[i - 1], c, i))
-    body = _table(("step", "id", "operator", "status", f"fitness ({best.unit})", "vs_reference"), rows, "lineage")
+    body = table(("step", "id", "operator", "status", f"fitness ({best.unit})", "vs_reference"), rows, "lineage")
     n = len(chain) - 1
     steps_from = "a seed itself" if n == 0 else f"{n} step{'s' * (n > 1)} from its seed"
     title = f"Lineage of the best ({steps_from})"
@@ -206,7 +206,7 @@ def _engine(report: Report, view: RunView, cands: list[Candidate]) -> Section | 
     front = view.pareto([Objective("throughput"), Objective("p99_ms", maximise=False)])
     rows = [(c.id[:12], c.metrics.get("throughput"), c.metrics.get("p99_ms"), c.metrics.get("memory_mb"))
             for c in front]  # fmt: skip
-    body += "<h3>Pareto front</h3>" + _table(("id", "throughput", "p99 (ms)", "memory (MB)"), rows)
+    body += "<h3>Pareto front</h3>" + table(("id", "throughput", "p99 (ms)", "memory (MB)"), rows)
     return Section("engine", "Engine runs", body)
 
 
@@ -215,10 +215,10 @@ def _quality(report: Report, cands: list[Candidate]) -> Section:
     won = sum(1 for d in duels if d.get("won"))
     flagged = [c for c in cands if c.metrics.get("flagged")]
     body = report.figure("uncertainty", figures.uncertainty(cands), "timing uncertainty")
-    body += _table(None, [("duels won", won), ("duels lost", len(duels) - won),
+    body += table(None, [("duels won", won), ("duels lost", len(duels) - won),
                               ("flagged (implausible speed-ups re-verified)", len(flagged))], "kv")  # fmt: skip
     if flagged:
-        body += _table(("id", "status", "fitness", "first timing"),
+        body += table(("id", "status", "fitness", "first timing"),
                        [(c.id[:12], str(c.status), c.fitness, c.metrics.get("fitness_first_timing")) for c in flagged])
     return Section("quality", "Measurement quality", body)
 

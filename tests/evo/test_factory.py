@@ -5,6 +5,7 @@ and swaps to the next promotion without a failed request."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import threading
 import time
@@ -98,10 +99,12 @@ def test_a_factory_profiles_plans_searches_and_promotes(factory):
     assert "promoted" in shown.stdout and "sentences/s" in shown.stdout
 
 
-def test_serve_follow_swaps_to_each_promotion_without_a_failed_request(factory):
+def test_serve_follow_swaps_to_each_promotion_without_a_failed_request(factory, tmp_path):
     from serve_helpers import start_server, stop
 
     from archive import Store
+
+    factory = Path(shutil.copytree(factory, tmp_path / "fac"))  # a copy to promote in: the fixture is shared
 
     first = json.loads((factory / "promotions.jsonl").read_text().splitlines()[0])
     with Store(first["run_dir"], readonly=True) as store:
