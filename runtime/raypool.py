@@ -30,11 +30,13 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import glob
 import hashlib
 import importlib.util
 import itertools
 import logging
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -101,6 +103,26 @@ def _scrub_environment() -> None:
 # --- on a node -------------------------------------------------------------------------------------------
 
 
+_HOME_PREFIX = "evoforge-node-"
+
+
+def sweep_node_homes(tmp: str) -> list[str]:
+    """Removes the node directories in ``tmp`` whose actor process is gone without closing (a node or driver
+    killed); returns them. A directory without an owner's pid is left alone."""
+    removed = []
+    for home in glob.glob(os.path.join(tmp, _HOME_PREFIX + "*")):
+        try:
+            with open(os.path.join(home, "owner.pid")) as f:
+                pid = int(f.read())
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(home, ignore_errors=True)
+            removed.append(home)
+        except (OSError, ValueError):  # not ours to judge: no pid file, or a process of another user
+            continue
+    return removed
+
+
 class NodeEvaluator:
     """One node's evaluations: a local pool of ``workers`` sandboxed workers (created as a Ray actor)."""
 
@@ -110,7 +132,10 @@ class NodeEvaluator:
 
         _scrub_environment()
         make_undumpable()
-        self.home = tempfile.mkdtemp(prefix="evoforge-node-")
+        sweep_node_homes(tempfile.gettempdir())
+        self.home = tempfile.mkdtemp(prefix=_HOME_PREFIX)
+        with open(os.path.join(self.home, "owner.pid"), "w") as f:
+            f.write(str(os.getpid()))
         self.workers, self.cc = workers, cc
         self.pool = LocalPool(workers=workers, log_dir=os.path.join(self.home, "logs"))
         self._waiting: dict[str, concurrent.futures.Future[EvalResult]] = {}
@@ -175,8 +200,6 @@ class NodeEvaluator:
 
     def close(self) -> None:
         """Stops the pool (killing its workers) and removes this node's directory (caches, copies, logs)."""
-        import shutil
-
         self._closed = True
         self.pool.close()
         shutil.rmtree(self.home, ignore_errors=True)

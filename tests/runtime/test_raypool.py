@@ -23,6 +23,7 @@ from runtime.raypool import (  # noqa: E402
     NodeEvaluator,
     RayPool,
     speed_differences,
+    sweep_node_homes,
 )
 from runtime.result import EvalResult, Status  # noqa: E402
 
@@ -144,6 +145,22 @@ def test_a_request_whose_two_nodes_die_ends_crash(cluster, tmp_path):
             got = pool.next_result(0.2)
         assert got is not None and got[1].status is Status.CRASH and "twice" in got[1].error, got
         assert len(killed) == 2
+
+
+def test_the_directories_of_killed_nodes_are_swept(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    homes = {}
+    for name, pid in (("dead", dead.pid), ("alive", os.getpid()), ("unowned", None)):
+        homes[name] = tmp_path / f"evoforge-node-{name}"
+        (homes[name] / "cache").mkdir(parents=True)
+        if pid is not None:
+            (homes[name] / "owner.pid").write_text(str(pid))
+    assert sweep_node_homes(str(tmp_path)) == [str(homes["dead"])]
+    assert not homes["dead"].exists() and homes["alive"].exists() and homes["unowned"].exists()
 
 
 def test_fingerprints_are_compared_on_what_decides_speed():
