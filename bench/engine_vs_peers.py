@@ -295,8 +295,9 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=2))
         return
-    print(f"MiniLM embeddings under {a.concurrency} closed-loop clients, {threads} thread(s) on cores {sorted(cores)}, "
-          f"{len(texts)} texts, lengths {dict(a.lengths)}, {duration:g} s each, median of {args.rounds} rounds")
+    print(f"{model.path.name} embeddings under {a.concurrency} closed-loop clients, {threads} thread(s) on cores "
+          f"{sorted(cores)}, {len(texts)} texts, lengths {dict(a.lengths)}, {duration:g} s each, "
+          f"median of {args.rounds} rounds")
     print(f"engine {cand.id[:12]}: {' '.join(f'{k}={v}' for k, v in cand.genome.params.items())}")
     print(f"| engine | sentences/s | vs sentence-transformers | p50 ms | p99 ms | bulk sentences/s ({len(bulk_texts)} "
           "texts) | min cosine to fp32 |")
