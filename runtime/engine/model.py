@@ -269,6 +269,14 @@ def quantize(w: np.ndarray, precision: Precision) -> np.ndarray:
     return w
 
 
+def _legacy_norm_name(name: str) -> str:
+    """A layer norm's weight under its TensorFlow-era name (``gamma``, ``beta``), as some BERT checkpoints and
+    some transformers versions save it."""
+    if "LayerNorm." in name:
+        return name.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
+    return name
+
+
 def load_model(model_dir: str | Path | None = None) -> Model:
     """Reads a BERT sentence encoder from ``model_dir`` (default: the package's all-MiniLM-L6-v2), in the
     sentence-transformers layout; raises :class:`ModelLoadError` for a directory it cannot run."""
@@ -280,11 +288,11 @@ def load_model(model_dir: str | Path | None = None) -> Model:
         raise ModelLoadError(f"{path}/model.safetensors has no BERT weights (embeddings.word_embeddings.weight)")
 
     def get(name: str) -> np.ndarray:
-        try:
-            return np.ascontiguousarray(t[prefix + name], dtype=np.float32)
-        except KeyError:
-            raise ModelLoadError(f"{path}/model.safetensors has no weight {prefix + name!r}: "
-                                 "not a BERT encoder's weights") from None  # fmt: skip
+        for key in (prefix + name, prefix + _legacy_norm_name(name)):
+            if key in t:
+                return np.ascontiguousarray(t[key], dtype=np.float32)
+        raise ModelLoadError(f"{path}/model.safetensors has no weight {prefix + name!r}: "
+                             "not a BERT encoder's weights")  # fmt: skip
 
     def wt(name: str) -> np.ndarray:  # a Linear's [out, in] weight, stored as [in, out]
         return np.ascontiguousarray(get(name).T)

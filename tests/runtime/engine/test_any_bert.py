@@ -100,3 +100,25 @@ def test_a_model_the_engine_cannot_run_is_one_clear_error(berts, tmp_path, what,
     with pytest.raises(ModelLoadError) as err:
         load_model(_broken(berts["mean-gelu"], tmp_path, what.replace(" ", "-"), edit))
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def _legacy_names(d):
+    """The checkpoint with its layer norms under TensorFlow-era names, as older BERTs and some transformers
+    versions save them."""
+    from safetensors.numpy import load_file, save_file
+
+    path = d / "model.safetensors"
+    weights = load_file(path)
+    save_file({k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+               for k, v in weights.items()}, path)  # fmt: skip
+
+
+def test_layer_norms_under_their_legacy_names_load_the_same(berts, sentences, tmp_path):
+    legacy = _broken(berts["mean-gelu"], tmp_path, "legacy", _legacy_names)
+    from safetensors import safe_open
+
+    with safe_open(legacy / "model.safetensors", "np") as f:
+        assert any(k.endswith("LayerNorm.gamma") for k in f.keys())
+    want = Engine(load_model(berts["mean-gelu"]), numpy_ops(), EngineConfig()).embed(sentences)
+    got = Engine(load_model(legacy), numpy_ops(), EngineConfig()).embed(sentences)
+    np.testing.assert_array_equal(got, want)
