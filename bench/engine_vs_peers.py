@@ -56,7 +56,8 @@ def run_search(config: Path, run_dir: Path, max_evals: int | None) -> float:
 
 
 def min_cosine(got: np.ndarray, reference: np.ndarray) -> float:
-    return float(np.min(np.sum(got * reference, axis=1)))
+    norms = np.linalg.norm(got, axis=1) * np.linalg.norm(reference, axis=1)
+    return float(np.min(np.sum(got * reference, axis=1) / norms))
 
 
 def median_figures(runs: Sequence[LoadResult]) -> dict[str, Any]:
@@ -70,8 +71,9 @@ def median_figures(runs: Sequence[LoadResult]) -> dict[str, Any]:
             "rounds": [round(r.throughput, 1) for r in runs]}
 
 
-def onnx_peers(st: Any, threads: int, tmp: str, tokenizer: Any) -> dict[str, Embed]:
-    """ONNX Runtime sessions (fp32, dynamic int8 per tensor, dynamic int8 per channel) of the same model."""
+def onnx_peers(st: Any, threads: int, tmp: str, tokenizer: Any, pooling: str) -> dict[str, Embed]:
+    """ONNX Runtime sessions (fp32, dynamic int8 per tensor, dynamic int8 per channel) of the same model, pooled
+    as the model pools (``mean`` or ``cls``)."""
     import onnxruntime as ort
     import torch
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -113,7 +115,10 @@ def onnx_peers(st: Any, threads: int, tmp: str, tokenizer: Any) -> dict[str, Emb
                 ids[i, : len(s)], mask[i, : len(s)] = s, 1
             hidden = sess.run(None, {"input_ids": ids, "attention_mask": mask,
                                      "token_type_ids": np.zeros_like(ids)})[0]
-            pooled = (hidden * mask[:, :, None]).sum(1) / mask.sum(1, keepdims=True)
+            if pooling == "cls":
+                pooled = hidden[:, 0]
+            else:
+                pooled = (hidden * mask[:, :, None]).sum(1) / mask.sum(1, keepdims=True)
             return pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
 
         return embed
@@ -146,8 +151,9 @@ def openvino_peers(model_dir: Path, threads: int, tmp: str) -> tuple[dict[str, E
     return peers, skipped
 
 
-def fastembed_peer(onnx_path: str, model_dir: Path, threads: int, tmp: str) -> tuple[dict[str, Embed], dict[str, str]]:
-    """FastEmbed on the ONNX export, registered as a local custom model (its tokenizer files beside it)."""
+def fastembed_peer(onnx_path: str, model: Any, threads: int, tmp: str) -> tuple[dict[str, Embed], dict[str, str]]:
+    """FastEmbed on the ONNX export, registered as a local custom model (its tokenizer files beside it), pooled
+    and normalised as the model is."""
     import shutil
 
     try:
@@ -159,12 +165,15 @@ def fastembed_peer(onnx_path: str, model_dir: Path, threads: int, tmp: str) -> t
     local.mkdir()
     shutil.copy(onnx_path, local / "model.onnx")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json", "vocab.txt"):
-        shutil.copy(model_dir / name, local / name)
+        if (model.path / name).exists():  # a recent transformers writes no special_tokens_map.json
+            shutil.copy(model.path / name, local / name)
+    cfg = model.config
+    name, pooling = f"local/{model.path.name}", PoolingType.CLS if cfg.pooling == "cls" else PoolingType.MEAN
     try:
-        TextEmbedding.add_custom_model(model="local/all-MiniLM-L6-v2", pooling=PoolingType.MEAN, normalization=True,
-                                       sources=ModelSource(hf="local/all-MiniLM-L6-v2"), dim=384,
+        TextEmbedding.add_custom_model(model=name, pooling=pooling,
+                                       normalization=cfg.normalize, sources=ModelSource(hf=name), dim=cfg.hidden,
                                        model_file="model.onnx")  # fmt: skip
-        fe = TextEmbedding("local/all-MiniLM-L6-v2", specific_model_path=str(local), threads=threads)
+        fe = TextEmbedding(name, specific_model_path=str(local), threads=threads)
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         return {}, {"fastembed": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
     return {"fastembed (onnx fp32)": lambda batch: np.stack(list(fe.embed(batch, batch_size=len(batch))))}, {}
@@ -232,9 +241,10 @@ def main() -> None:
 
     load = {"concurrency": a.concurrency, "duration_s": duration, "warmup_s": a.warmup_s}
     with tempfile.TemporaryDirectory() as tmp, pinned(None, threads) as cores:
-        peers: dict[str, Embed] = {"sentence-transformers": st_embed, **onnx_peers(st, threads, tmp, model.tokenizer)}
+        peers: dict[str, Embed] = {"sentence-transformers": st_embed,
+                                   **onnx_peers(st, threads, tmp, model.tokenizer, model.config.pooling)}
         ov, skipped = openvino_peers(model.path, threads, tmp)
-        fe, fe_skipped = fastembed_peer(os.path.join(tmp, "minilm.onnx"), model.path, threads, tmp)
+        fe, fe_skipped = fastembed_peer(os.path.join(tmp, "minilm.onnx"), model, threads, tmp)
         peers.update({**ov, **fe})
         skipped.update(fe_skipped)
         # the elite as evolved, and with its workers of the other kind: threads vs processes, side by side

@@ -47,14 +47,17 @@ class MemoryLink:
         """The memory named by ``settings``, or ``None`` (disabled, or its packages are missing: said once)."""
         if not settings.enabled:
             return None
+        memory = None
         try:
             from archive.memory import Memory
 
             memory = Memory(settings.resolved_path(), settings=settings)
+            return cls(memory, settings, task, run)  # its novelty filter needs faiss as well
         except ImportError as exc:
+            if memory is not None:
+                memory.close()
             note(f"memory disabled: {exc.name or exc} is not installed (pip install 'evoforge[memory]')")
             return None
-        return cls(memory, settings, task, run)
 
     # --- at the start ---------------------------------------------------------------------------
 

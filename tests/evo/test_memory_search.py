@@ -1,6 +1,7 @@
 """The memory in a real search: one run records its discoveries, a related run is seeded from them."""
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -54,3 +55,21 @@ def test_a_run_records_discoveries_and_a_related_run_is_seeded_from_them(tmp_pat
     cold = run(tmp_path, "cold", 80, {"enabled": False}, evals=2)
     assert cold.returncode == 0
     assert "memory" not in operators(tmp_path / "runs" / "cold" / "archive.db")
+
+
+def test_a_run_without_faiss_goes_on_without_its_memory(tmp_path):
+    """faiss missing (as in an install without the memory extra): the run says so once and completes."""
+    shadow = tmp_path / "no-faiss"
+    shadow.mkdir()
+    (shadow / "faiss.py").write_text("raise ImportError(\"No module named 'faiss'\", name='faiss')\n")
+    cfg = {"task": {"name": "matmul", "args": {"m": 32, "n": 32, "k": 32}},
+           "evaluation": {"timing": {"max_seconds": 0.05}, "check_trials": 1},
+           "search": {"workers": 1, "initial_random": 1}, "budget": {"max_evals": 2},
+           "archive": {"descriptors": ["register_tile_area"], "bins": 4},
+           "memory": {"enabled": True, "path": str(tmp_path / "mem")}}  # fmt: skip
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": str(shadow)}
+    got = subprocess.run([sys.executable, "-m", "evo", "run", "job.yaml"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env=env)  # fmt: skip
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert "memory disabled" in got.stdout + got.stderr and "Traceback" not in got.stderr
