@@ -86,9 +86,14 @@ def status(path: Path, as_json: bool) -> None:
         table.add_column(col)
     for e in got["events"]:
         what = e.get("task") or e.get("slot") or (e.get("engine") or {}).get("elite", "")[:12] or ""
+        why = str(e.get("why", ""))
         if e["event"] == "searched":
             what = f"{e.get('task')}: {e.get('evaluations')} evals, best {e.get('after', e.get('best'))}"
-        table.add_row(f"{e['at'] - start:.0f}", str(e.get("round", "")), e["event"], str(what), str(e.get("why", "")))
+            offers = [o for o in e.get("offered") or [] if isinstance(o, dict)]
+            if offers:  # an engine search: the kernels it was offered as they landed
+                why = "offered " + ", ".join(f"{o.get('slot')} {str(o.get('id'))[:8]} after {o.get('evaluations')} "
+                                             "evals" for o in offers)  # fmt: skip
+        table.add_row(f"{e['at'] - start:.0f}", str(e.get("round", "")), e["event"], str(what), why)
     console.print(table)
     if not got["promotions"]:
         console.print("no engine promoted yet")

@@ -176,9 +176,14 @@ class EngineTask(Task):
         return ({**args, "kernels": grown}, added) if added else None
 
     def offer_seeds(self, base: Genome | None, added: Sequence[Mapping[str, Any]]) -> list[Genome]:
-        """``base`` (else the default engine) with each new kernel in its slot."""
+        """``base`` (else the default engine) with the newest kernel of every slot that has one (kernels found
+        for different slots are tried together: each alone may not lift an engine another slot holds back),
+        then with each new kernel alone in its slot."""
         start = dict(base.params) if base is not None else dict(self.seeds()[0].params)
-        return [Genome(params={**start, f"kernel_{a['slot']}": a["id"][:16]}) for a in added]
+        newest = {f"kernel_{slot}": ids[-1] for slot, ids in self.kernel_choices().items() if ids}
+        together = Genome(params={**start, **newest})
+        alone = [Genome(params={**start, f"kernel_{a['slot']}": a["id"][:16]}) for a in added]
+        return [together, *(g for g in alone if g.id != together.id)]
 
     # --- the genome -----------------------------------------------------------------------------
 

@@ -97,6 +97,7 @@ def test_a_factory_profiles_plans_searches_and_promotes(factory):
     assert json.loads(status.stdout)["promotions"] == promotions
     shown = evo("factory", "status", str(factory), cwd=factory)
     assert "promoted" in shown.stdout and "sentences/s" in shown.stdout
+    assert "offered" in shown.stdout  # which kernels the engine search was offered, and when
 
 
 def test_serve_follow_swaps_to_each_promotion_without_a_failed_request(factory, tmp_path):

@@ -184,3 +184,19 @@ def test_an_engine_duel_runs_both_engines_in_turn(task, tmp_path):
     assert m["duel_rival"] == rival.id and m["duel_rounds"] == 2 and m["rival_throughput"] > 0
     assert m["duel_ratio"] == pytest.approx(m["throughput"] / m["rival_throughput"])
     assert res.fitness == pytest.approx(m["throughput"]) and m["similarity"] > 0.9999
+
+
+def test_new_kernels_are_tried_together_and_alone_in_the_best_engine(tmp_path):
+    def run(slot: str, *ids: str) -> dict:
+        return {"run_dir": str(tmp_path / slot), "follow": True, "ids": list(ids),
+                "offered": {i: {"source": f"/* {i} */", "flags": [], "task": slot} for i in ids}}  # fmt: skip
+
+    a, b, c = ("a" * 64, "b" * 64, "c" * 64)
+    t = EngineTask({**TINY, "kernels": {"gelu": run("gelu", a, b), "layernorm": run("layernorm", c)}})
+    assert t.offers_every_s() == t.args.follow_every_s > 0
+    base = t.seeds()[0]
+    together, alone = t.offer_seeds(base, [{"slot": "gelu", "id": b}])
+    assert together.params == {**base.params, "kernel_gelu": b[:16], "kernel_layernorm": c[:16]}
+    assert alone.params == {**base.params, "kernel_gelu": b[:16]}
+    for g in (together, alone):
+        assert t.space().violations(g.params) == []  # both are engines of the space
