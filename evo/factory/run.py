@@ -1,4 +1,5 @@
-"""The factory: rounds of profile -> plan -> kernel searches -> engine search -> duel -> promotion.
+"""The factory: rounds of profile -> plan -> kernel searches with the engine search alongside -> duel ->
+promotion.
 
 Everything lives in the factory directory, and every step leaves its evidence there before the next
 starts, so ``--resume`` (after a crash or ``kill -9``) redoes only the step that was cut short, and
@@ -8,13 +9,15 @@ that step's search resumes as any run does:
     profiles/round-N.json where the incumbent engine's time went, measured at the start of round N
     plans/round-N.json    the searches of round N, each with its budget and why (and why not, per slot)
     runs/<task>           one kernel run per slot task, extended every round it is planned
-    runs/engine-rN        round N's engine search, offered the kernel runs as they are then
+    runs/engine-rN        round N's engine search, following the kernel runs (offered each elite as it lands)
     duels/round-N.json    its best against the incumbent: held-out similarity, side-by-side load
     promotions.jsonl      every promoted engine with its figures (what ``evo serve --follow`` serves)
     events.jsonl          each decision and when, with its reason
 
-The searches run one after another, each with every core: on a small machine parallel searches
-would only queue on the timing lock, which holds the machine for every timing and load test anyway.
+Each search is an ``evo run`` in a process of its own that dies with the factory. Here the kernel searches
+run one after another and the engine search beside them (on a Ray cluster, a round's kernel searches at
+once): the machine-wide timing lock keeps every timing and load test alone on the machine, so searches
+that share it cost each other time, never accuracy.
 """
 
 from __future__ import annotations
