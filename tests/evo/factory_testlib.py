@@ -20,6 +20,25 @@ def evo(*args: str, cwd: Path, timeout: float = 900, **kw) -> subprocess.Complet
                           timeout=timeout, **kw)  # fmt: skip
 
 
+def tiny_factory(tmp: Path, **sections: dict) -> dict:
+    """A factory config on a small random BERT (saved in ``tmp/tiny-bert``) with budgets of a test; each of
+    ``sections`` updates that section."""
+    from bert_models import make_bert
+
+    make_bert(tmp / "tiny-bert", hidden=64, heads=4, layers=2, intermediate=128)
+    cfg = {
+        "model_dir": "tiny-bert",
+        "load": {"threads": 2, "concurrency": 2, "duration_s": 0.3, "warmup_s": 0.05, "texts": 16,
+                 "lengths": {10: 1.0}, "p99_budget_ms": 10000},
+        "budget": {"rounds": 1, "kernel_evals": 4, "engine_evals": 3, "engine_after_kernels": 1, "min_evals": 2},
+        "plan": {"slots": ["gelu", "layernorm"], "min_share": 0.0},
+        "promote": {"held_out_texts": 16, "rounds": 1, "duration_s": 0.5, "min_gain": -0.5},
+    }  # fmt: skip
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    return cfg
+
+
 def _processes_naming(path: Path) -> list[str]:
     """Command lines of the live processes that name ``path`` (a factory's searches)."""
     out = []
@@ -36,17 +55,7 @@ def _processes_naming(path: Path) -> list[str]:
 def killed_and_resumed_factory(tmp: Path) -> Path:
     """A one-round factory on a small random BERT, killed with -9 (the factory alone) once its first kernel
     search is done and its engine search is running alongside the second, then resumed."""
-    from bert_models import make_bert
-
-    make_bert(tmp / "tiny-bert", hidden=64, heads=4, layers=2, intermediate=128)
-    cfg = {
-        "model_dir": "tiny-bert",
-        "load": {"threads": 2, "concurrency": 2, "duration_s": 0.3, "warmup_s": 0.05, "texts": 16,
-                 "lengths": {10: 1.0}, "p99_budget_ms": 10000},
-        "budget": {"rounds": 1, "kernel_evals": 4, "engine_evals": 4, "engine_after_kernels": 2, "min_evals": 2},
-        "plan": {"slots": ["gelu", "layernorm"], "min_share": 0.0},
-        "promote": {"held_out_texts": 16, "rounds": 1, "duration_s": 0.5, "min_gain": -0.5},
-    }  # fmt: skip
+    cfg = tiny_factory(tmp, budget={"engine_evals": 4, "engine_after_kernels": 2})
     (tmp / "factory.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "EVOFORGE_MEMORY_DIR": str(tmp / "memory")}
     out = tmp / "fac"

@@ -98,18 +98,11 @@ def test_a_factory_spreads_its_searches_over_the_cluster(cluster, tmp_path):
     """A factory with execution on the cluster: its kernel searches run at once, every search evaluates on
     the nodes, and the engine search's kernels (runs on the driver's disk only) reach the nodes in the
     task's arguments; the profile and the duel run on the driver's machine."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "runtime" / "engine"))
-    from bert_models import make_bert
+    from factory_testlib import tiny_factory
 
-    make_bert(tmp_path / "tiny-bert", hidden=64, heads=4, layers=2, intermediate=128)
-    (tmp_path / "factory.yaml").write_text(yaml.safe_dump({
-        "model_dir": "tiny-bert",
-        "load": {"threads": 1, "concurrency": 2, "duration_s": 0.3, "warmup_s": 0.05, "texts": 16,
-                 "lengths": {10: 1.0}, "p99_budget_ms": 10000},
-        "budget": {"rounds": 1, "kernel_evals": 4, "engine_evals": 3, "engine_after_kernels": 1, "min_evals": 2},
-        "plan": {"slots": ["gelu", "layernorm"], "min_share": 0.0},
-        "promote": {"held_out_texts": 16, "rounds": 1, "duration_s": 0.3, "min_gain": -0.9},
-        "execution": {"kind": "ray", "address": cluster.address}}))  # fmt: skip
+    cfg = tiny_factory(tmp_path, load={"threads": 1}, promote={"duration_s": 0.3, "min_gain": -0.9},
+                       execution={"kind": "ray", "address": cluster.address})  # fmt: skip
+    (tmp_path / "factory.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "EVOFORGE_MEMORY_DIR": str(tmp_path / "memory")}
     out = subprocess.run([sys.executable, "-m", "evo", "factory", "factory.yaml", "--dir", "fac"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
