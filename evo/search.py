@@ -186,8 +186,8 @@ class Search:
     def _new_offers(self) -> list[Candidate]:
         """What the runs the task reads offer since the last look (an engine task's followed kernel runs):
         from now on every request carries the grown args, the stored config offers it to a resumed run, and
-        the store's ``offers`` says what was offered after how many evaluations. Returns candidates that
-        try each addition in the best genome."""
+        the store's ``offers`` says what was offered after how many evaluations. Returns the candidates the
+        task makes of the additions and the best genome (:meth:`Task.offer_seeds`)."""
         every = self.task.offers_every_s()
         if not every or time.monotonic() < self._offers_due:
             return []
