@@ -108,7 +108,8 @@ class Search:
 
         return dict(build_llm_operators(self.config, store=self.store, task=self.task,
                                         cache_dir=self.run_dir.cache_dir, log_dir=self.run_dir.log_dir, note=note,
-                                        memory=self.memory.search if self.memory else None))
+                                        memory=self.memory.search if self.memory else None,
+                                        current=lambda: self.config))
 
     # --- the loop -------------------------------------------------------------------------------
 

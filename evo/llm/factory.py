@@ -36,8 +36,13 @@ def build_llm_operators(
     log_dir: Path,
     note: Callable[[str], None] | None = None,
     memory: Callable[[str], Sequence[Any]] | None = None,
+    current: Callable[[], RunConfig] | None = None,
 ) -> dict[str, LLMOperator]:
-    """The LLM operators weighted above zero (none without an ``llm:`` section)."""
+    """The LLM operators weighted above zero (none without an ``llm:`` section).
+
+    ``current`` returns the run's config as it is now (default: ``config``): the agent's tool requests are
+    built from it, so they carry what the task was offered since the run started (an engine task's new kernels).
+    """
     wanted = [n for n in LLM_OPERATORS if config.search.operators.weights.get(n, 0) > 0]  # type: ignore[call-overload]
     if config.llm is None or not wanted:
         return {}
@@ -50,8 +55,8 @@ def build_llm_operators(
     ops: dict[str, LLMOperator] = {}
     for name in wanted:
         if name == "agentic":
-            tools = SandboxTools(task=task, make_request=_requests(config, cache_dir), store_path=store.path,
-                                 log_dir=log_dir / "agent", memory=memory)
+            tools = SandboxTools(task=task, make_request=_requests(current or (lambda: config), cache_dir),
+                                 store_path=store.path, log_dir=log_dir / "agent", memory=memory)
             ops[name] = Agentic(session, book, hardware=hardware, tools=tools)
         else:
             cls = {"llm_diff": LLMDiff, "llm_rewrite": LLMRewrite, "llm_params": LLMParams}[name]
@@ -59,8 +64,9 @@ def build_llm_operators(
     return ops
 
 
-def _requests(config: RunConfig, cache_dir: Path) -> Callable[[Genome, str, str], EvalRequest]:
+def _requests(current: Callable[[], RunConfig], cache_dir: Path) -> Callable[[Genome, str, str], EvalRequest]:
     def make(genome: Genome, key: str, stages: str) -> EvalRequest:
+        config = current()
         return EvalRequest(key=key, genome=genome, task=config.task, settings=config.evaluation,
                            cache_dir=str(cache_dir), sys_path=tuple(p for p in sys.path if p),
                            stages=stages)  # type: ignore[arg-type]
