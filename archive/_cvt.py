@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from scipy.spatial import cKDTree
 
 from archive._base import Archive
 
@@ -54,6 +53,8 @@ class CVTArchive(Archive):
         self._cells, self.samples, self.seed = int(cells), int(samples), int(seed)
         self.centroids: np.ndarray = c
         self.centroids.flags.writeable = False
+        from scipy.spatial import cKDTree  # here: scipy's import costs every evo command 0.3 s
+
         self._tree = cKDTree((c - self._lower) / span)  # a fresh and a restored archive share this path
 
     @property
@@ -71,6 +72,8 @@ def _kmeans(*, cells: int, samples: int, dims: int, rng: np.random.Generator) ->
     """Lloyd's k-means in the unit cube, started from distinct random samples; empty clusters stay put."""
     x = rng.random((samples, dims))
     c = x[rng.choice(samples, size=cells, replace=False)].copy()
+    from scipy.spatial import cKDTree
+
     for _ in range(_LLOYD_ITERATIONS):
         label = cKDTree(c).query(x)[1]
         counts = np.bincount(label, minlength=cells)

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from evo.config import ExecutionConfig
 from evo.errors import UserError
+from runtime.engine.load import ServingLoad
 
 __all__ = ["FactoryConfig", "load_factory_config"]
 
@@ -18,16 +19,10 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class LoadConfig(_Model):
-    """The serving load every engine is measured under (the engine task's arguments of the same names)."""
+class LoadConfig(ServingLoad):
+    """The serving load every engine is measured under: the engine task's arguments of the same names."""
 
     threads: int = Field(2, ge=1, description="cores an engine runs on")
-    concurrency: int = Field(8, ge=1, description="closed-loop clients")
-    duration_s: float = Field(3.0, gt=0, description="measured seconds of one load round")
-    warmup_s: float = Field(0.5, ge=0, description="unmeasured seconds before it")
-    texts: int = Field(256, ge=8, description="request texts of the search")
-    lengths: dict[int, float] = Field(default_factory=lambda: {16: 0.6, 48: 0.3, 128: 0.1},
-                                      description="token length -> share of the requests")  # fmt: skip
     p99_budget_ms: float = Field(250.0, gt=0, description="an engine over this p99 is never promoted")
 
 
@@ -38,6 +33,8 @@ class BudgetConfig(_Model):
     engine_after_kernels: int = Field(5, ge=1, description="of those, how many wait for the round's kernel "
                                       "searches to end (they see every kernel found); the rest run alongside")
     min_evals: int = Field(6, ge=1, description="evaluations a planned kernel search gets at least")
+    confirm_repeats: int = Field(3, ge=0, description="fresh evaluations confirming each search's best as it "
+                                 "ends (search.confirm.repeats of its runs; 0: none)")
 
     @model_validator(mode="after")
     def _after_within_engine(self) -> BudgetConfig:

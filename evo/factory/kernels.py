@@ -32,7 +32,7 @@ def kernel_run_config(task: str, config: FactoryConfig, model: ModelConfig, max_
     args, descriptors, bins = _shapes(task, model)
     return {
         "task": {"name": task, "args": {**args, "threads": 1}},
-        "search": {"seed": config.seed, "initial_random": 8},
+        "search": {"seed": config.seed, "initial_random": 8, "confirm": {"repeats": config.budget.confirm_repeats}},
         "budget": {"max_evals": max_evals},
         "archive": {"kind": "grid", "descriptors": descriptors, "bins": bins if len(bins) > 1 else bins[0]},
         "execution": config.execution.model_dump(mode="json"),
@@ -50,16 +50,14 @@ def engine_run_config(config: FactoryConfig, kernel_runs: dict[str, Path]) -> di
         by_slot.setdefault(slot, []).append({"run_dir": str(run_dir), "top": 2, "follow": True, "optional": True})
     load = config.load
     args: dict[str, Any] = {
-        "threads": load.threads, "concurrency": load.concurrency, "duration_s": load.duration_s,
-        "warmup_s": load.warmup_s, "texts": load.texts, "lengths": dict(load.lengths),
-        "p99_budget_ms": load.p99_budget_ms, "similarity_floor": config.promote.similarity_floor,
+        **load.model_dump(), "similarity_floor": config.promote.similarity_floor,
         "kernels": {slot: runs[0] if len(runs) == 1 else runs for slot, runs in by_slot.items()},
     }  # fmt: skip
     if config.model_dir:
         args["model_dir"] = config.model_dir
     return {
         "task": {"name": "engine", "args": args},
-        "search": {"seed": config.seed, "initial_random": 4},
+        "search": {"seed": config.seed, "initial_random": 4, "confirm": {"repeats": config.budget.confirm_repeats}},
         "budget": {"max_evals": config.budget.engine_evals},
         "archive": {"descriptors": ["p99_ms", "memory_mb"], "bins": [4, 4],
                     "ranges": [[0, load.p99_budget_ms], [0, 4096]]},

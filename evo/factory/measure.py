@@ -46,10 +46,7 @@ def _engine(which: dict[str, Any] | None, model: Any) -> Any:
 def _task(spec: dict[str, Any]) -> Any:
     from runtime.engine.task import EngineTask
 
-    load = spec["load"]
-    return EngineTask({"model_dir": spec.get("model_dir"), "threads": load["threads"],
-                       "concurrency": load["concurrency"], "texts": load["texts"],
-                       "lengths": load["lengths"], "seed": spec.get("seed", 0)})  # fmt: skip
+    return EngineTask({**spec["load"], "model_dir": spec.get("model_dir"), "seed": spec.get("seed", 0)})
 
 
 def _profile(spec: dict[str, Any]) -> dict[str, Any]:

@@ -9,10 +9,27 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.engine.scheduler import QueueFull
 
-__all__ = ["LoadResult", "closed_loop"]
+__all__ = ["LoadResult", "ServingLoad", "closed_loop"]
+
+
+class ServingLoad(BaseModel):
+    """The serving load an engine is measured under: closed-loop clients sending texts of these lengths.
+    The engine task's arguments and the factory's ``load:`` section share it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    concurrency: int = Field(8, ge=1, description="closed-loop clients")
+    lengths: dict[int, float] = Field(
+        default_factory=lambda: {16: 0.6, 48: 0.3, 128: 0.1},
+        description="token length -> weight of the requests' length distribution (lengths vary +-25%)")
+    texts: int = Field(256, ge=8, description="distinct request texts (the first 32 are the similarity check)")
+    warmup_s: float = Field(0.5, ge=0, description="load before the measured window")
+    duration_s: float = Field(3.0, gt=0, description="the measured window")
+    p99_budget_ms: float = Field(250.0, gt=0, description="p99 latency above this: recorded, never an elite")
 
 
 @dataclass(frozen=True)

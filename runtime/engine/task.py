@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param, SpaceError
 from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.load import ServingLoad
 from runtime.engine.model import Model, Precision
 from runtime.engine.ops import SLOTS, numpy_ops, tasks_of_slot
 from runtime.engine.runs import KernelSource, RunNotFound, build_ops, compile_kernels, kernel_offer
@@ -68,18 +69,11 @@ class KernelRun(BaseModel):
         return os.path.abspath(v)
 
 
-class EngineArgs(TaskArgs):
-    """The load an engine is measured under, its budgets, and what its genome may choose from."""
+class EngineArgs(TaskArgs, ServingLoad):
+    """The load an engine is measured under (:class:`ServingLoad`), its budgets, and what its genome may
+    choose from."""
 
     threads: int = Field(1, ge=1, description="cores the engine may use: workers * blas_threads <= threads")
-    concurrency: int = Field(8, ge=1, description="closed-loop clients")
-    lengths: dict[int, float] = Field(
-        default_factory=lambda: {16: 0.6, 48: 0.3, 128: 0.1},
-        description="token length -> weight of the requests' length distribution (lengths vary +-25%)")
-    texts: int = Field(256, ge=8, description="distinct request texts (the first 32 are the similarity check)")
-    warmup_s: float = Field(0.5, ge=0, description="load before the measured window")
-    duration_s: float = Field(3.0, gt=0, description="the measured window")
-    p99_budget_ms: float = Field(250.0, gt=0, description="p99 latency above this: recorded, never an elite")
     similarity_floor: float = Field(0.99, gt=0, le=1, description="min cosine to the fp32 engine on the texts")
     reference_every_s: float = Field(
         300.0, ge=0, description="re-measure the default engine (vs_reference's base) once its figures are older "

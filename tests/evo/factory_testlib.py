@@ -30,7 +30,8 @@ def tiny_factory(tmp: Path, **sections: dict) -> dict:
         "model_dir": "tiny-bert",
         "load": {"threads": 2, "concurrency": 2, "duration_s": 0.3, "warmup_s": 0.05, "texts": 16,
                  "lengths": {10: 1.0}, "p99_budget_ms": 10000},
-        "budget": {"rounds": 1, "kernel_evals": 4, "engine_evals": 3, "engine_after_kernels": 1, "min_evals": 2},
+        "budget": {"rounds": 1, "kernel_evals": 4, "engine_evals": 3, "engine_after_kernels": 1, "min_evals": 2,
+                   "confirm_repeats": 1},
         "plan": {"slots": ["gelu", "layernorm"], "min_share": 0.0},
         "promote": {"held_out_texts": 16, "rounds": 1, "duration_s": 0.5, "min_gain": -0.5},
     }  # fmt: skip

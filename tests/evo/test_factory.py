@@ -71,6 +71,13 @@ def test_a_factory_profiles_plans_searches_and_promotes(factory):
             assert store.count() - store.count("pending") == s["evals"]  # the planned budget, not more
     engine_cfg = yaml.safe_load((factory / "configs" / "engine-r1.yaml").read_text())
     assert set(engine_cfg["task"]["args"]["kernels"]) == {"gelu", "layernorm"}  # offered the kernel runs
+    assert engine_cfg["task"]["args"]["concurrency"] == 2 and engine_cfg["task"]["args"]["lengths"] == {10: 1.0}
+    for name in ("gelu", "layernorm", "engine-r1"):  # the factory's confirmation reaches every run
+        run_cfg = yaml.safe_load((factory / "configs" / f"{name}.yaml").read_text())
+        assert run_cfg["search"]["confirm"]["repeats"] == 1, name
+    with Store(factory / "runs" / "engine-r1", readonly=True) as store:
+        confirmed = [c.metrics["confirmed"] for c in store.evaluated() if "confirmed" in c.metrics]
+    assert confirmed and all(len(c["statuses"]) == 1 for c in confirmed)  # one fresh evaluation, as configured
     from archive import read_run
 
     with read_run(factory / "runs" / "engine-r1") as engine:  # it followed them: offered each elite as it landed
