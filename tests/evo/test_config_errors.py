@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_testlib import evo_here
 
 GOOD = {
     "task": {"name": "matmul", "args": {"m": 64, "n": 64, "k": 64}},
@@ -52,7 +53,7 @@ def merged(**patch):
 )
 def test_config_errors_are_one_line_with_exit_code_2(tmp_path, data, expected):
     cfg = write(tmp_path, data)
-    proc = evo("run", str(cfg), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    proc = evo_here("run", str(cfg), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

@@ -14,6 +14,7 @@ import yaml
 
 pytest.importorskip("matplotlib")
 
+from cli_testlib import evo_here  # noqa: E402
 from report_testlib import evo, make_run  # noqa: E402
 
 from archive import CVTArchive, GridArchive, Objective, RunView, Store, pareto_front, save_layout  # noqa: E402
@@ -193,10 +194,10 @@ def test_a_hostile_run_is_reported_escaped_and_without_a_traceback(tmp_path):
     assert out.returncode == 0 and "descriptors lack" in (tmp_path / "odd.html").read_text()
     for i, config in enumerate(("a: [", "- 1\n- 2", "task: matmul", "task: {name: m, args: [1, 2]}")):
         bad = _hostile_store(tmp_path / f"bad{i}", config=config)
-        out = evo("report", str(bad), cwd=tmp_path)
+        out = evo_here("report", str(bad), cwd=tmp_path)
         assert out.returncode == 2 and "stored config" in out.stderr and "Traceback" not in out.stderr, config
-    assert evo("report", str(_hostile_store(tmp_path / "s", config="task: {name: m}\nsearch: fast")),
-               cwd=tmp_path).returncode == 0
+    assert evo_here("report", str(_hostile_store(tmp_path / "s", config="task: {name: m}\nsearch: fast")),
+                    cwd=tmp_path).returncode == 0
     (tmp_path / "pngs").write_text("a file, not a folder")
-    out = evo("report", str(run), "--png", str(tmp_path / "pngs"), cwd=tmp_path)
+    out = evo_here("report", str(run), "--png", str(tmp_path / "pngs"), cwd=tmp_path)
     assert out.returncode == 2 and "--png" in out.stderr
