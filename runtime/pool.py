@@ -23,7 +23,7 @@ from typing import Any
 from runtime.backends import Backend, backend_for
 from runtime.executor import EvalRequest
 from runtime.result import EvalResult, Status
-from runtime.sandbox import WorkerDied, WorkerProcess, WorkerProfile, WorkerTimeout, reap_orphans
+from runtime.sandbox import WorkerDied, WorkerProcess, WorkerProfile, WorkerTimeout, reap_orphans, sweep_work_dirs
 from runtime.task import TaskLoadError, load_task_class
 from runtime.toolchain.cc import compiler_version
 
@@ -68,6 +68,7 @@ class LocalPool:
     def __init__(self, *, workers: int = 1, log_dir: str | None = None, on_event: PoolEvent | None = None) -> None:
         if workers < 1:
             raise ValueError("a pool needs at least one worker")
+        sweep_work_dirs()  # what workers of a killed process left behind
         self.workers = workers
         self._own_log_dir = log_dir is None  # a temporary one, removed on close
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="evoforge-logs-")

@@ -245,6 +245,30 @@ def _ppid(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
+_WORK_DIR_PREFIX = "evoforge-worker-"
+
+
+def sweep_work_dirs(tmp: str | None = None) -> list[str]:
+    """Removes the workers' working directories in ``tmp`` (default: the temporary directory) whose owner, the
+    process that started the worker, is gone without removing them (it was killed); returns them. A directory
+    is named for its owner's pid; a live owner's, or one named otherwise, is left alone."""
+    removed = []
+    tmp = tmp or tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(tmp):
+            owner = entry.name.removeprefix(_WORK_DIR_PREFIX).split("-", 1)[0]
+            if not (entry.name.startswith(_WORK_DIR_PREFIX) and owner.isdigit()) or entry.is_symlink():
+                continue
+            try:
+                os.kill(int(owner), 0)
+            except ProcessLookupError:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+            except OSError:  # alive, as another user
+                continue
+    return removed
+
+
 class WorkerProcess:
     """One sandboxed worker: started on construction, answers :meth:`evaluate` until killed.
 
@@ -257,7 +281,7 @@ class WorkerProcess:
         self.profile = profile
         self.log_path = log_path
         ids = sandbox_ids()
-        self.work_dir = tempfile.mkdtemp(prefix="evoforge-worker-")
+        self.work_dir = tempfile.mkdtemp(prefix=f"{_WORK_DIR_PREFIX}{os.getpid()}-")  # its owner: see sweep_work_dirs
         os.makedirs(profile.cache_dir, exist_ok=True)
         if ids is not None:
             os.chown(self.work_dir, *ids)

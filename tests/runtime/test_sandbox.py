@@ -79,3 +79,44 @@ def test_worker_cannot_read_the_controllers_files(pool, workdir, still_serving):
     )
     r = run(pool, request(workdir, kernel(body, "#include <stdio.h>")))
     assert r.status is Status.OK, r.error
+
+
+@pytest.mark.slow
+def test_the_working_directories_of_a_killed_pools_workers_are_swept_by_the_next_pool(tmp_path):
+    """kill -9 of the process that owns a pool leaves its workers' directories (named for it); the next pool on
+    the machine removes them, and leaves a live owner's and any other directory alone."""
+    import glob
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from runtime.pool import LocalPool
+    from runtime.sandbox import sweep_work_dirs
+
+    here = os.path.dirname(__file__)
+    code = (f"import sys, time; sys.path.insert(0, {here!r})\n"
+            "from runtime_helpers import CORRECT, kernel, request, run\n"
+            "from runtime.pool import LocalPool\n"
+            f"run(LocalPool(workers=1), request({str(tmp_path)!r}, kernel(CORRECT)))\n"
+            "print('evaluated', flush=True); time.sleep(120)\n")  # fmt: skip
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == "evaluated"
+        pattern = os.path.join(tempfile.gettempdir(), f"evoforge-worker-{owner.pid}-*")
+        left = glob.glob(pattern)
+        assert left, "the worker had no working directory named for its owner"
+        ours = tempfile.mkdtemp(prefix=f"evoforge-worker-{os.getpid()}-")  # a live owner's
+        other = tempfile.mkdtemp(prefix="evoforge-worker-")  # not named for an owner
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    try:
+        assert all(os.path.isdir(d) for d in left)  # nothing removed them: their owner died without a word
+        LocalPool(workers=1).close()
+        assert not any(os.path.exists(d) for d in left)
+        assert os.path.isdir(ours) and os.path.isdir(other)
+        assert sweep_work_dirs() == []
+    finally:
+        os.rmdir(ours)
+        os.rmdir(other)
