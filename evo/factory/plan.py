@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from evo.factory.config import FactoryConfig
 from runtime.engine.profile import Profile
 
-__all__ = ["Plan", "Search", "make_plan", "slot_task_for"]
+__all__ = ["Plan", "Search", "make_plan", "slot_tasks_for"]
 
 
 @dataclass(frozen=True)
@@ -39,50 +39,54 @@ class Plan:
         return cls(round=d["round"], searches=tuple(Search(**s) for s in d["searches"]), skipped=dict(d["skipped"]))
 
 
-def slot_task_for(slot: str, cpu_flags: Sequence[str], hidden: int, intermediate: int) -> tuple[str | None, str]:
-    """The built-in task to search for ``slot`` on this CPU and model, or ``None`` and why not."""
+def slot_tasks_for(slot: str, cpu_flags: Sequence[str], hidden: int, intermediate: int) -> tuple[list[str], str]:
+    """The built-in tasks to search for ``slot`` on this CPU and model (every one that can serve it: the linear
+    slot's bf16 and int8 kernels trade accuracy for speed differently, and the engine search picks), or none and
+    why not."""
     from runtime.engine.ops import slot_task, tasks_of_slot
 
-    reasons = []
+    tasks, reasons = [], []
     for name in tasks_of_slot(slot):
         spec = slot_task(slot, name).slot
         assert spec is not None
         if spec.cpu_flag is not None and spec.cpu_flag not in cpu_flags:
             reasons.append(f"{name} needs {spec.cpu_flag}, which this CPU lacks")
-            continue
-        if slot == "linear" and (hidden % spec.k_multiple or intermediate % spec.k_multiple
-                                 or hidden % spec.n_multiple or intermediate % spec.n_multiple):  # fmt: skip
+        elif slot == "linear" and (hidden % spec.k_multiple or intermediate % spec.k_multiple
+                                   or hidden % spec.n_multiple or intermediate % spec.n_multiple):  # fmt: skip
             reasons.append(f"{name} takes sizes in multiples of {spec.k_multiple} (k) and {spec.n_multiple} (n); "
                            f"the model's are {hidden} and {intermediate}")  # fmt: skip
-            continue
-        return name, ""
-    return None, "; ".join(reasons) or f"no built-in task fills the {slot} slot"
+        else:
+            tasks.append(name)
+    return tasks, "" if tasks else "; ".join(reasons) or f"no built-in task fills the {slot} slot"
 
 
 def make_plan(round_: int, profile: Profile, config: FactoryConfig, *, cpu_flags: Sequence[str], hidden: int,
               intermediate: int, gains: Mapping[str, float | None] | None = None) -> Plan:  # fmt: skip
     """The round's searches: ``budget.kernel_evals`` shared by the eligible slots in proportion to their share of
-    ``profile`` (each at least ``budget.min_evals``). ``gains``: each slot's relative gain in its last search
-    (``None``: not measured); one under ``plan.stagnation`` is stopped."""
+    ``profile`` (each at least ``budget.min_evals``); a slot several tasks can fill (the linear slot's bf16 and
+    int8 kernels) splits its share between them. ``gains``: each slot's relative gain in its last search (the
+    best of its tasks'; ``None``: not measured); one under ``plan.stagnation`` is stopped."""
     shares = profile.shares()
-    eligible: dict[str, tuple[str, float]] = {}
+    eligible: dict[str, tuple[list[str], float]] = {}
     skipped: dict[str, str] = {}
     for slot in config.plan.slots:
         share = shares.get(slot, 0.0)
-        task, why = slot_task_for(slot, cpu_flags, hidden, intermediate)
+        tasks, why = slot_tasks_for(slot, cpu_flags, hidden, intermediate)
         gain = (gains or {}).get(slot)
-        if task is None:
+        if not tasks:
             skipped[slot] = why
         elif share < config.plan.min_share:
             skipped[slot] = f"{share:.1%} of the time, under plan.min_share ({config.plan.min_share:.0%})"
         elif gain is not None and gain < config.plan.stagnation:
             skipped[slot] = f"its last search gained {gain:+.1%}, under plan.stagnation ({config.plan.stagnation:.0%})"
         else:
-            eligible[slot] = (task, share)
+            eligible[slot] = (tasks, share)
     total = sum(share for _, share in eligible.values())
     searches = []
-    for slot, (task, share) in sorted(eligible.items(), key=lambda kv: -kv[1][1]):
+    for slot, (tasks, share) in sorted(eligible.items(), key=lambda kv: -kv[1][1]):
         evals = max(config.budget.min_evals, round(config.budget.kernel_evals * share / total))
-        searches.append(Search(slot, task, evals, share,
-                               f"{share:.1%} of the engine's time: {evals} of the round's kernel evaluations"))
+        each = max(config.budget.min_evals, -(-evals // len(tasks)))
+        split = f", {each} each for {' and '.join(tasks)}" if len(tasks) > 1 else ""
+        why = f"{share:.1%} of the engine's time: {evals} of the round's kernel evaluations{split}"
+        searches += [Search(slot, task, each, share, why) for task in tasks]
     return Plan(round_, tuple(searches), skipped)

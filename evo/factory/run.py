@@ -164,12 +164,13 @@ class Factory:
         if n == 1:
             return {}
         last = json.loads((self.path / "plans" / f"round-{n - 1}.json").read_text())
-        out: dict[str, float | None] = {}
+        by_slot: dict[str, list[float | None]] = {}
         for s in last["searches"]:
             entry = self._history(s["task"]).get(n - 1) or {}
             before, after = entry.get("before"), entry.get("after")
-            out[s["slot"]] = (after / before - 1) if before and after else None
-        return out
+            by_slot.setdefault(s["slot"], []).append((after / before - 1) if before and after else None)
+        # a slot several tasks searched (bf16, int8): the best of their gains, unmeasured while one is
+        return {slot: None if None in g else max(x for x in g if x is not None) for slot, g in by_slot.items()}
 
     def _history(self, task: str) -> dict[int, dict[str, float | None]]:
         """Round -> the kernel run's best before and after that round's search."""

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from factory_testlib import evo
 
@@ -36,18 +37,25 @@ def test_the_plan_follows_what_each_slot_could_save():
     config = FactoryConfig.model_validate({"budget": {"kernel_evals": 60, "min_evals": 4}})
     profile = _profile(linear=6.0, gelu=2.0, layernorm=1.0, softmax=0.3, other=0.7)
     plan = make_plan(1, profile, config, cpu_flags=FLAGS, hidden=384, intermediate=1536)
-    got = {s.slot: (s.task, s.evals) for s in plan.searches}
-    assert got == {"linear": ("linear_bf16", 40), "gelu": ("gelu", 13), "layernorm": ("layernorm", 7)}
-    assert [s.slot for s in plan.searches] == ["linear", "gelu", "layernorm"]  # the largest share first
+    got = {s.task: (s.slot, s.evals) for s in plan.searches}
+    # the linear slot's 40: split between its bf16 and int8 kernels (the engine search picks among both)
+    assert got == {"linear_bf16": ("linear", 20), "linear_int8": ("linear", 20), "gelu": ("gelu", 13),
+                   "layernorm": ("layernorm", 7)}  # fmt: skip
+    assert [s.slot for s in plan.searches] == ["linear", "linear", "gelu", "layernorm"]  # the largest share first
     assert "3.0% of the time, under plan.min_share" in plan.skipped["softmax"]
-    assert "60.0% of the engine's time" in plan.searches[0].why
+    assert "60.0% of the engine's time: 40 of the round's kernel evaluations, 20 each for linear_bf16 and " \
+        "linear_int8" in plan.searches[0].why
+    # a small budget: each of a slot's tasks still gets budget.min_evals
+    small = make_plan(1, profile, config.model_copy(update={"budget": config.budget.model_copy(
+        update={"kernel_evals": 8})}), cpu_flags=FLAGS, hidden=384, intermediate=1536)  # fmt: skip
+    assert {s.task: s.evals for s in small.searches if s.slot == "linear"} == {"linear_bf16": 4, "linear_int8": 4}
     # a CPU without the instructions: the linear slot gets no search, and the plan says why
     plain = make_plan(1, profile, config, cpu_flags=["avx2"], hidden=384, intermediate=1536)
     assert "linear" not in {s.slot for s in plain.searches}
     assert "linear_bf16 needs avx512_bf16" in plain.skipped["linear"] and "avx512_vnni" in plain.skipped["linear"]
     # only VNNI: the int8 kernels; a model whose sizes fit neither linear task: none
-    assert make_plan(1, profile, config, cpu_flags=["avx512_vnni"], hidden=384, intermediate=1536
-                     ).searches[0].task == "linear_int8"  # fmt: skip
+    vnni = make_plan(1, profile, config, cpu_flags=["avx512_vnni"], hidden=384, intermediate=1536)
+    assert [(s.task, s.evals) for s in vnni.searches if s.slot == "linear"] == [("linear_int8", 40)]
     odd = make_plan(1, profile, config, cpu_flags=FLAGS, hidden=96, intermediate=200)
     assert "the model's are 96 and 200" in odd.skipped["linear"]
     # a search that stagnated is stopped; one with no figure yet goes on
@@ -57,6 +65,31 @@ def test_the_plan_follows_what_each_slot_could_save():
     assert "gained +0.1%, under plan.stagnation" in later.skipped["gelu"]
     assert plan == type(plan).from_dict(json.loads(json.dumps(plan.to_dict())))
 
+
+
+def test_a_slot_two_tasks_searched_goes_on_while_either_gained_or_is_unmeasured(tmp_path):
+    """The linear slot's bf16 and int8 searches: its gain is the better of theirs (stagnation stops the slot only
+    when both stagnated), and unmeasured while either is."""
+    from evo.factory.run import Factory
+
+    (tmp_path / "plans").mkdir()
+    searches = [{"slot": "linear", "task": t, "evals": 4, "share": 0.6, "why": ""} for t in ("linear_bf16",
+                                                                                          "linear_int8")]
+    searches.append({"slot": "gelu", "task": "gelu", "evals": 4, "share": 0.2, "why": ""})
+    (tmp_path / "plans" / "round-1.json").write_text(json.dumps({"round": 1, "searches": searches, "skipped": {}}))
+
+    def history(task: str, before: float, after: float | None) -> None:
+        (tmp_path / "runs" / task).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "runs" / task / "factory-rounds.json").write_text(json.dumps({"1": {"before": before,
+                                                                                      "after": after}}))
+
+    factory = Factory(FactoryConfig(), tmp_path, note=lambda _: None)
+    history("linear_bf16", 100.0, 100.5)
+    history("linear_int8", 100.0, 130.0)
+    history("gelu", 10.0, 10.0)
+    assert factory._gains(2) == {"linear": pytest.approx(0.3), "gelu": 0.0}
+    history("linear_int8", 100.0, None)  # no figure after: the slot is not judged yet
+    assert factory._gains(2)["linear"] is None
 
 def test_a_factory_profiles_plans_searches_and_promotes(factory):
     profile = json.loads((factory / "profiles" / "round-1.json").read_text())
