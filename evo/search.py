@@ -244,7 +244,9 @@ class Search:
                 "memory_recorded": self.memory.recorded, "novelty_rejected": self.proposer.novelty_rejected}
 
     def _requeue_pending(self) -> list[Candidate]:
-        pending = self.store.pending()
+        """The pending candidates of an earlier session, offers first: what a new offer made possible goes
+        first in every session (an offer left pending when a session's budget ran out is still the point)."""
+        pending = sorted(self.store.pending(), key=lambda c: c.operator != "offer")  # stable: stored order kept
         for cand in pending:
             self.proposer.parents_of[cand.id] = list(cand.parents)
             self.proposer.op_of[cand.id] = cand.operator

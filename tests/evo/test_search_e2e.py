@@ -160,3 +160,22 @@ def test_the_user_task_example_runs_on_a_cvt_archive(tmp_path):
     stats = json.loads(evo("archive", "stats", str(tmp_path / "run"), "--json", cwd=tmp_path, timeout=60).stdout)
     assert stats["archive"]["kind"] == "cvt" and stats["archive"]["cells"] == 8
     assert stats["by_status"].get("ok", 0) >= 4 and stats["archive"]["filled"] >= 1
+
+
+def test_a_resumed_session_evaluates_the_offers_left_pending_first(tmp_path):
+    """An offer (a candidate made of a newly offered kernel) left pending when a session's budget ran out goes
+    first in the next session, before the older seeds and samples still pending."""
+    from evo.config import load_config
+    from evo.rundir import RunDir
+    from evo.search import Search
+    from genome import Genome
+
+    config = load_config(small_config(tmp_path, max_evals=4))
+    first = Search(config, RunDir.create(tmp_path / "run", config))
+    for op, unroll in (("seed", 1), ("random", 2), ("offer", 4), ("random", 8), ("offer", 16)):
+        assert first.proposer.add(Genome(params={"UNROLL": unroll}), [], op) is not None
+    first.run_dir.close()
+    resumed = Search(config, RunDir.open(tmp_path / "run"))
+    order = [(c.operator, c.genome.params["UNROLL"]) for c in resumed._requeue_pending()]
+    assert order == [("offer", 4), ("offer", 16), ("seed", 1), ("random", 2), ("random", 8)]
+    resumed.run_dir.close()
