@@ -73,8 +73,8 @@ def test_a_slot_two_tasks_searched_goes_on_while_either_gained_or_is_unmeasured(
     from evo.factory.run import Factory
 
     (tmp_path / "plans").mkdir()
-    searches = [{"slot": "linear", "task": t, "evals": 4, "share": 0.6, "why": ""} for t in ("linear_bf16",
-                                                                                          "linear_int8")]
+    searches = [{"slot": "linear", "task": t, "evals": 4, "share": 0.6, "why": ""} for t in ("linear_int8",
+                                                                                          "linear_bf16")]
     searches.append({"slot": "gelu", "task": "gelu", "evals": 4, "share": 0.2, "why": ""})
     (tmp_path / "plans" / "round-1.json").write_text(json.dumps({"round": 1, "searches": searches, "skipped": {}}))
 
@@ -88,7 +88,7 @@ def test_a_slot_two_tasks_searched_goes_on_while_either_gained_or_is_unmeasured(
     history("linear_int8", 100.0, 130.0)
     history("gelu", 10.0, 10.0)
     assert factory._gains(2) == {"linear": pytest.approx(0.3), "gelu": 0.0}
-    history("linear_int8", 100.0, None)  # no figure after: the slot is not judged yet
+    history("linear_int8", 100.0, None)  # no figure after: the slot is not judged yet (bf16 stagnated)
     assert factory._gains(2)["linear"] is None
 
 def test_a_factory_profiles_plans_searches_and_promotes(factory):

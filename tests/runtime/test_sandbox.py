@@ -108,6 +108,13 @@ def test_the_working_directories_of_a_killed_pools_workers_are_swept_by_the_next
         assert left, "the worker had no working directory named for its owner"
         ours = tempfile.mkdtemp(prefix=f"evoforge-worker-{os.getpid()}-")  # a live owner's
         other = tempfile.mkdtemp(prefix="evoforge-worker-")  # not named for an owner
+        # a hostile one, named for the dead owner: a link out of it to a file that must survive the sweep
+        keep = tmp_path / "keep.txt"
+        keep.write_text("not the sweep's")
+        bait = tempfile.mkdtemp(prefix=f"evoforge-worker-{owner.pid}-")
+        os.symlink(keep, os.path.join(bait, "link"))
+        os.symlink(tmp_path, os.path.join(tempfile.gettempdir(), f"evoforge-worker-{owner.pid}-dirlink"))
+        left.append(bait)
     finally:
         owner.send_signal(signal.SIGKILL)
         owner.wait()
@@ -116,6 +123,10 @@ def test_the_working_directories_of_a_killed_pools_workers_are_swept_by_the_next
         LocalPool(workers=1).close()
         assert not any(os.path.exists(d) for d in left)
         assert os.path.isdir(ours) and os.path.isdir(other)
+        assert keep.read_text() == "not the sweep's" and tmp_path.is_dir()  # links are never followed
+        link = os.path.join(tempfile.gettempdir(), f"evoforge-worker-{owner.pid}-dirlink")
+        assert os.path.islink(link)  # a link named like a directory is left alone
+        os.unlink(link)
         assert sweep_work_dirs() == []
     finally:
         os.rmdir(ours)
