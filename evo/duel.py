@@ -50,6 +50,8 @@ def settle(result: EvalResult, duel: EvalResult | None, rival_id: str, rival_fit
       the run crowns;
     - lost (ratio <= 1, or over the engine's p99 budget in the duel): fitness ``rival_fitness * ratio``;
     - the challenger broke a rule when checked again (``wrong``, ``invalid``): the duel's failure is its result;
+    - the rival broke a rule (its outputs checked against the reference, as the challenger's): the challenger
+      stands with its own figure, crowned (the caller demotes the rival);
     - no verdict (the duel crashed, timed out, or never ran): capped at ``rival_fitness``, not crowned.
     """
     ratio = duel.metrics.get("duel_ratio") if duel is not None and duel.status == Status.OK else None
@@ -59,6 +61,9 @@ def settle(result: EvalResult, duel: EvalResult | None, rival_id: str, rival_fit
     if duel is not None and duel.status in (Status.WRONG, Status.INVALID):
         note["won"] = False
         return replace(duel, metrics={**duel.metrics, "duel": note, "fitness_before_duel": result.fitness})
+    if duel is not None and duel.status == Status.OK and duel.metrics.get("rival_failed"):
+        note.update(won=True, rival_failed=duel.metrics["rival_failed"])
+        return replace(result, metrics={**result.metrics, "duel": note})
     if ratio is None:
         note["won"] = False
         note["error"] = "the run stopped first" if duel is None else (duel.error or f"duel ended {duel.status}")

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from archive import OFFERS_KEY, AddStatus, Candidate, Store, read_run, rebuild_archive
+from archive import OFFERS_KEY, AddStatus, Candidate, Store, StoreError, read_run, rebuild_archive
 from evo.budget import Budget
 from evo.config import RunConfig
 from evo.confirm import CONFIRMED, confirmed_result
@@ -272,6 +272,9 @@ class Search:
             held, best = self._duels.pop(request.key)
             settled = settle(held[1], result, best.id, best.fitness or 0.0, best.metrics.get("vs_reference"))
             log.info("duel of %s against the best %s: %s", request.key[:12], best.id[:12], settled.metrics["duel"])
+            if result.status == Status.OK and result.metrics.get("rival_failed"):
+                self._demote(best, Status(result.metrics["rival_status"]),
+                             f"as the rival of {request.key[:12]} in a duel: {result.metrics['rival_failed']}")
             self._finish(held[0], settled)
             return
         best = self._best
@@ -282,6 +285,18 @@ class Search:
             self._pool.submit(dataclasses.replace(request, stages="duel", rival=best.genome))
             return
         self._finish(request, result)
+
+    def _demote(self, cand: Candidate, status: Status, why: str) -> None:
+        """``cand``, an elite that broke a rule when checked again, gets that status: out of the archive, and
+        no longer the best."""
+        self.reporter.note(f"{cand.id[:12]} is {status} {why}")
+        try:
+            self.store.revise_result(cand.id, EvalResult(status=status, unit=cand.unit, error=why))
+        except StoreError:  # demoted already (two duels against it came back)
+            return
+        self.archive = rebuild_archive(self.store)
+        found = self.store.best(1)
+        self._best = found[0] if found else None
 
     def _settle_held(self) -> None:
         """Results whose duel did not come back (a time limit or Ctrl-C stopped the run): recorded, not crowned."""

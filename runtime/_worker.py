@@ -108,7 +108,9 @@ def _prepare(init: dict[str, Any], tasks: _Tasks) -> WorkerContext:
 
 
 def main(argv: list[str]) -> int:
-    conn = Connection(int(argv[0]))
+    fd = int(argv[0])
+    os.set_inheritable(fd, False)  # passed to us inheritable: no process this worker starts may reach it
+    conn = Connection(fd)
     tasks = _Tasks()
     ctx = _prepare(conn.recv(), tasks)
     conn.send({"ready": True, "pid": os.getpid(), "hardware": ctx.hardware})

@@ -13,7 +13,9 @@ Stages by request (``EvalRequest.stages``):
   checked again on fresh inputs (``confirm``), timed again (the slower timing counts) and ``flagged``.
 - ``run``: build, load, one call on the request's inputs; the outputs come back in ``outputs``.
 - ``duel``: build and load the genome; its program re-checks itself, has the rival loaded (through
-  the same loader) and times both side by side (``duel_ratio``: the rival's time over the genome's).
+  the same loader) and times both side by side (``duel_ratio``: the rival's time over the genome's),
+  each checked against the reference. A rival that breaks a rule ends the duel ``ok`` with no fitness
+  and ``rival_failed`` (why) and ``rival_status`` in the metrics.
 
 Timings: ``compile_s``, ``check_s``, ``lock_wait_s``, ``time_s``, ``total_s``, ``calls_s`` (inside the
 candidate's and the reference's calls) and ``overhead_s`` (the rest, less compile and lock wait).
@@ -26,7 +28,7 @@ import time
 from typing import Any
 
 from genome import Genome
-from runtime.backends import Backend, Failure, Program, UnsupportedStage, WorkerContext, backend_for
+from runtime.backends import Backend, Failure, Program, RivalFailure, UnsupportedStage, WorkerContext, backend_for
 from runtime.executor import EvalRequest
 from runtime.result import EvalResult, Status
 from runtime.settings import EvalSettings
@@ -87,16 +89,24 @@ def _evaluate(request: EvalRequest, task: Task, ctx: WorkerContext, waited: floa
                     raise Failure(Status.INVALID, "a duel needs a rival genome")
                 try:
                     rival = open_program(backend, task, request.rival, settings, ctx, {}, {})
-                except Failure as exc:  # the rival's fault, not the challenger's: a duel without a verdict
+                except Failure as exc:
                     why = f"the rival {request.rival.id[:12]} could not be built: {exc}"
-                    raise Failure(Status.COMPILE_ERROR, why) from None
+                    if exc.status == Status.COMPILE_ERROR:  # not here, not now (a compiler gone): no verdict
+                        raise Failure(Status.COMPILE_ERROR, why) from None
+                    raise RivalFailure(exc.status, why) from None  # its library crashed loading, say
                 opened.append(rival)
                 return rival
 
-            duel = program.duel(open_rival)  # type: ignore[attr-defined]
-            fitness = duel.fitness
-            metrics.update(duel.metrics, duel_rival=request.rival.id)  # type: ignore[union-attr]
-            timings.update(duel.timings)
+            try:
+                duel = program.duel(open_rival)  # type: ignore[attr-defined]
+            except RivalFailure as exc:  # a verdict against the rival: the challenger stands
+                metrics.update(rival_failed=str(exc), rival_status=str(exc.status),
+                               duel_rival=request.rival.id)  # type: ignore[union-attr]  # fmt: skip
+                timings.update(exc.timings)
+            else:
+                fitness = duel.fitness
+                metrics.update(duel.metrics, duel_rival=request.rival.id)  # type: ignore[union-attr]
+                timings.update(duel.timings)
         elif request.stages != "compile":
             t0 = time.perf_counter()
             metrics.update(program.check(settings.check_trials))  # a failure carries check_s if it has one

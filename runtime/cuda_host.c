@@ -38,6 +38,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -277,9 +278,19 @@ static void timed(const char *m, ssize_t len) {
     answer(out, 5);
 }
 
+/* Closes every descriptor from `first` on: what the worker (or anything above it) left inheritable. */
+static void close_from(unsigned first) {
+#ifdef SYS_close_range
+    if (syscall(SYS_close_range, first, ~0U, 0) == 0) return;
+#endif
+    struct rlimit r;
+    long top = getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_cur != RLIM_INFINITY ? (long)r.rlim_cur : 65536;
+    for (long fd = first; fd < top; fd++) close((int)fd);
+}
+
 int main(int argc, char **argv) {
     if (argc != 3) return 64;
-    close(6); /* this executable, which the worker started through a descriptor */
+    close_from(6); /* 6: this executable, which the worker started through a descriptor */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
     if (getppid() == 1) return 0;

@@ -21,14 +21,13 @@ import os
 import shutil
 import socket
 import struct
-import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from runtime.host import CandidateHost, compiled_filters, encode_args
+from runtime.host import CandidateHost, compiled_filters, encode_args, spawn_host
 from runtime.toolchain.cuda_launch import Launch
 
 __all__ = ["FILL_KINDS", "CudaHost", "CudaHostLauncher", "RemoteBuffer", "build_cuda_host", "cuda_include_dir"]
@@ -92,6 +91,8 @@ class CudaHostLauncher:
 
     def __init__(self, cc: str, nvcc: str, cache_dir: str, work_dir: str | None = None) -> None:
         self.executable, self.ptx_path = build_cuda_host(cc, nvcc, cache_dir, work_dir)
+        self.out_dir = work_dir or tempfile.mkdtemp(prefix="evoforge-host-out-")
+        self._spawned = 0
         with open(self.ptx_path, "rb") as f:
             self.ptx = f.read()
         exe = os.open(self.executable, os.O_RDONLY | os.O_CLOEXEC)
@@ -113,18 +114,15 @@ class CudaHostLauncher:
             opened = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             fds.append(fcntl.fcntl(opened, fcntl.F_DUPFD_CLOEXEC, 10))
             os.close(opened)
+        self._spawned += 1
+        output = os.path.join(self.out_dir, f"cuda-host-{os.getpid()}-{self._spawned}.out")
         try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            dup = os.POSIX_SPAWN_DUP2
-            actions = [(dup, fd, 3 + i) for i, fd in enumerate([*fds, self._exe])]
-            pid = os.posix_spawn("/proc/self/fd/6", [self.executable, name, str(cpu_seconds or 0)], os.environ,
-                                 file_actions=actions)  # fmt: skip
+            pid = spawn_host(self._exe, [self.executable, name, str(cpu_seconds or 0)], fds, output)
         finally:
             for fd in fds:
                 os.close(fd)
-        host = CudaHost(pid, ours)
-        bpf = b"" if self.filters is None else self.filters["threads"]  # the driver runs threads of its own
+        host = CudaHost(pid, ours, output)
+        bpf = b"" if self.filters is None else self.filters["device"]  # the driver runs threads of its own
         host.send(b"F" + struct.pack("<I", len(bpf)) + bpf + struct.pack("<I", 0))
         ready = host.receive()
         if ready[:2] != b"ok" or len(ready) != 14:
@@ -179,8 +177,8 @@ class CudaHost(CandidateHost):
 
     registers = static_smem = l2_bytes = 0
 
-    def __init__(self, pid: int, sock: socket.socket) -> None:
-        super().__init__(pid, sock)
+    def __init__(self, pid: int, sock: socket.socket, output: str | None = None) -> None:
+        super().__init__(pid, sock, output)
         self._buffers = 0
 
     def ask(self, msg: bytes) -> bytes:

@@ -1,8 +1,11 @@
 /* The candidate host: the only process a C candidate's code runs in (see runtime/host.py).
  *
  * Started by the worker as a fresh executable: argv = host, kernel name, threads, CPU seconds; the
- * worker's socket is descriptor 3, the candidate's library descriptor 4 (and this executable 5). Nothing else is open but the
- * log (stdout, stderr), and nothing of the worker's memory was ever here.
+ * worker's socket is descriptor 3, the candidate's library descriptor 4 (and this executable 5), stdout
+ * and stderr a file of this host's own. Every other descriptor is closed first, whatever the worker
+ * left inheritable, and nothing of the worker's memory was ever here. An empty kernel name starts a
+ * calibration host: it loads no library (no descriptor 4) and only answers requests that call nothing,
+ * so the round trip the worker subtracts from timings is measured where no candidate code runs.
  *
  * First message: 'F' + u32 length + BPF program (the filter before the library) + u32 length + BPF
  * program (the one after it), or 'F' + two zero lengths (no filter on this machine). Then:
@@ -25,6 +28,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 /* Integer and pointer arguments go in general registers in order, floats in vector registers in order,
@@ -130,9 +134,20 @@ static void bind_call(const char *m, ssize_t len) {
     answer(out, 5);
 }
 
+/* Closes every descriptor from `first` on: what the worker (or anything above it) left inheritable. */
+static void close_from(unsigned first) {
+#ifdef SYS_close_range
+    if (syscall(SYS_close_range, first, ~0U, 0) == 0) return;
+#endif
+    struct rlimit r;
+    long top = getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_cur != RLIM_INFINITY ? (long)r.rlim_cur : 65536;
+    for (long fd = first; fd < top; fd++) close((int)fd);
+}
+
 int main(int argc, char **argv) {
     if (argc != 4) return 64;
-    close(5); /* this executable, which the worker started through a descriptor */
+    int calibration = argv[1][0] == 0;
+    close_from(calibration ? 4 : 5); /* 5: this executable, which the worker started through a descriptor */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* reset by exec: no process of this user may read us */
     prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
     if (getppid() == 1) return 0;
@@ -161,15 +176,18 @@ int main(int argc, char **argv) {
     memcpy(after, buf + 9 + first, second);
     if (load_filter((unsigned char *)buf + 5, first) != 0) fail("cannot load the system-call filter");
 
-    void *lib = dlopen("/proc/self/fd/4", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) fail(dlerror());
-    kernel_fn kernel = (kernel_fn)dlsym(lib, argv[1]);
-    if (!kernel) {
-        char why[300];
-        snprintf(why, sizeof why, "the library defines no function '%s'", argv[1]);
-        fail(why);
+    kernel_fn kernel = 0;
+    if (!calibration) {
+        void *lib = dlopen("/proc/self/fd/4", RTLD_NOW | RTLD_LOCAL);
+        if (!lib) fail(dlerror());
+        kernel = (kernel_fn)dlsym(lib, argv[1]);
+        if (!kernel) {
+            char why[300];
+            snprintf(why, sizeof why, "the library defines no function '%s'", argv[1]);
+            fail(why);
+        }
+        close(4);
     }
-    close(4);
     if (load_filter(after, second) != 0) fail("cannot load the system-call filter");
     answer("ok", 2);
 
@@ -181,7 +199,7 @@ int main(int argc, char **argv) {
             for (ssize_t p = 1; p + 4 <= len; p += 4) {
                 uint32_t h = u32(buf + p);
                 if (h == 0) continue;
-                if (h >= (uint32_t)ncalls) _exit(74);
+                if (h >= (uint32_t)ncalls || !kernel) _exit(74);
                 bound_call *c = &calls[h];
                 const long *i = c->i;
                 const float *f = c->f;

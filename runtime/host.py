@@ -11,15 +11,20 @@ What a host can and cannot do:
 - It sees the candidate's inputs and outputs through shared memory (sealed memfd arenas), nothing
   else of the worker. The worker and every host are not dumpable: no process of the same user may
   read their memory through ``/proc/PID/mem``, trace them or ``process_vm_readv`` them.
-- It is timed from outside: the worker reads its clock around each request, less the calibrated cost
-  of one round trip, and cross-checks against the CPU time the kernel accounts to the host.
+- It holds no descriptor but its socket, its library (until loaded) and a file of its own for what it
+  prints: it closes everything else on start, so it never reaches the worker's channel to the
+  controller or the worker's log.
+- It is timed from outside: the worker reads its clock around each request, less the cost of one
+  round trip measured on a calibration host that never loads candidate code, and cross-checks
+  against the CPU time the kernel accounts to the host.
 - A system-call filter (seccomp; the BPF programs are compiled by libseccomp in the worker) is in
   force before the candidate's library is loaded (its constructors run under it): no sockets, no
-  ptrace or ``process_vm_*``, no signals to any process, no files opened for writing (so no compile
-  cache can be replaced), no exec, no new process and, with ``threads: 1``, no thread; no page made
-  executable by ``mprotect`` (code cannot be rewritten, e.g. the process's clock) nor mapped
-  anonymously as code; once the library is loaded, no executable mapping at all. A forbidden call
-  fails with ``EPERM``.
+  ptrace or ``process_vm_*``, no signals to any process, no signal-driven I/O (``F_SETOWN``,
+  ``F_SETSIG``, ``O_ASYNC``), no files opened for writing (so no compile cache can be replaced), no
+  message queues or System V IPC (nothing outlives a candidate to reach the next), no exec, no new
+  process and, with ``threads: 1``, no thread; no page made executable by ``mprotect`` (code cannot be
+  rewritten, e.g. the process's clock), no memfd and no anonymous mapping as code; once the library
+  is loaded, no executable mapping at all. A forbidden call fails with ``EPERM``.
 
 The protocol is in ``runtime/host.c``. A kernel's arguments are ints, floats and pointers into the
 arenas: up to 8 floats and 16 ints or pointers.
@@ -41,13 +46,13 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 __all__ = ["CandidateHost", "HostDied", "HostLauncher", "build_host", "compiled_filters", "encode_args",
-           "filter_available", "make_undumpable"]  # fmt: skip
+           "filter_available", "forward_output", "make_undumpable", "spawn_host"]  # fmt: skip
 
 _PR_SET_DUMPABLE = 4
 _CPUCLOCK_SCHED = 2
@@ -128,22 +133,80 @@ def build_host(cc: str, cache_dir: str, work_dir: str | None = None) -> str:
     return final
 
 
+def spawn_host(executable: int, argv: Sequence[str], fds: Sequence[int], output: str) -> int:
+    """Starts ``argv`` from the executable open at descriptor ``executable``, with ``fds`` at descriptors 3, 4,
+    ... (and the executable after them), stdin ``/dev/null``, and stdout and stderr appending to the file
+    ``output`` of its own: a host never holds the worker's log (whose start it could overwrite) nor any other
+    descriptor of the worker (the host closes every descriptor past its own on start). Returns its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    dup = os.POSIX_SPAWN_DUP2
+    wrote = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    actions: list[tuple[Any, ...]] = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                                      (os.POSIX_SPAWN_OPEN, 1, output, wrote, 0o600), (dup, 1, 2)]
+    actions += [(dup, fd, 3 + i) for i, fd in enumerate([*fds, executable])]
+    return os.posix_spawn(f"/proc/self/fd/{3 + len(fds)}", list(argv), os.environ, file_actions=actions)
+
+
+def forward_output(path: str, header: str, limit: int = 64 << 10) -> None:
+    """Appends what a host printed (its file ``path``, the last ``limit`` bytes) to this process's stdout (the
+    worker's log), under ``header``, and removes the file."""
+    with contextlib.suppress(OSError):
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - limit))
+            data = f.read(limit)
+        if data:
+            cut = f"[{size - len(data)} bytes cut]\n".encode() if size > len(data) else b""
+            sys.stdout.flush()
+            os.write(1, f"--- {header} ---\n".encode() + cut + data + (b"" if data.endswith(b"\n") else b"\n"))
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
 class HostLauncher:
     """Starts a :class:`CandidateHost` per candidate: the host executable (built on first use) and the
-    system-call filters, compiled once."""
+    system-call filters, compiled once. It also keeps a calibration host (:meth:`round_trip`), which never
+    loads candidate code."""
 
     def __init__(self, cc: str = "cc", cache_dir: str | None = None, work_dir: str | None = None) -> None:
         self.cache_dir = cache_dir or tempfile.mkdtemp(prefix="evoforge-host-")
         self.executable = build_host(cc, self.cache_dir, work_dir)
+        self.out_dir = work_dir or tempfile.mkdtemp(prefix="evoforge-host-out-")
         # Reached through a descriptor: the cache's path may be a /proc/self/fd link, which means another
         # directory in the new process. At 10 or above, so that no descriptor of the spawn overlaps another.
         exe = os.open(self.executable, os.O_RDONLY | os.O_CLOEXEC)
         self._exe = fcntl.fcntl(exe, fcntl.F_DUPFD_CLOEXEC, 10)
         os.close(exe)
+        self._spawned = 0
+        self._calibration: CandidateHost | None = None
         self.filters = compiled_filters()
         if self.filters is None:
             print("evoforge: libseccomp not found: candidate processes run without a system-call filter "
                   "(fix: apt-get install libseccomp2)", file=sys.stderr, flush=True)  # fmt: skip
+
+    def _start(self, name: str, lib: int | None, threads: int, cpu_seconds: int | None) -> CandidateHost:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock = fcntl.fcntl(theirs.fileno(), fcntl.F_DUPFD_CLOEXEC, 10)
+        theirs.close()
+        self._spawned += 1
+        output = os.path.join(self.out_dir, f"host-{os.getpid()}-{self._spawned}.out")
+        try:
+            argv = [self.executable, name, str(max(1, threads)), str(cpu_seconds or 0)]
+            pid = spawn_host(self._exe, argv, [sock] if lib is None else [sock, lib], output)
+        finally:
+            os.close(sock)
+        host = CandidateHost(pid, ours, output)
+        pre, post = (b"", b"") if self.filters is None else (
+            self.filters["one_thread" if threads <= 1 else "threads"], self.filters["no_exec"])  # fmt: skip
+        host.send(b"F" + struct.pack("<I", len(pre)) + pre + struct.pack("<I", len(post)) + post)
+        ready = host.receive()
+        if ready != b"ok":
+            host.close()
+            from runtime.toolchain.cc import CompileError
+
+            raise CompileError(ready[1:].decode(errors="replace"))
+        return host
 
     def host(self, path: str, name: str, *, threads: int = 1, cpu_seconds: int | None = None) -> CandidateHost:
         """A new host with the kernel ``name`` of the library at ``path`` loaded.
@@ -151,36 +214,33 @@ class HostLauncher:
         Raises :class:`runtime.toolchain.CompileError` when the library does not load or defines no
         ``name``, and :class:`HostDied` when the host dies loading it (a constructor that crashes, say).
         """
-        from runtime.toolchain.cc import CompileError
-
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if not name:
+            raise ValueError("a kernel needs a name")
         opened = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # the host reaches the library through this only
         lib = fcntl.fcntl(opened, fcntl.F_DUPFD_CLOEXEC, 10)
-        sock = fcntl.fcntl(theirs.fileno(), fcntl.F_DUPFD_CLOEXEC, 10)
         os.close(opened)
-        theirs.close()
         try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            dup = os.POSIX_SPAWN_DUP2
-            argv = [self.executable, name, str(max(1, threads)), str(cpu_seconds or 0)]
-            pid = os.posix_spawn("/proc/self/fd/5", argv, os.environ,
-                                 file_actions=[(dup, sock, 3), (dup, lib, 4), (dup, self._exe, 5)])  # fmt: skip
+            return self._start(name, lib, threads, cpu_seconds)
         finally:
             os.close(lib)
-            os.close(sock)
-        host = CandidateHost(pid, ours)
-        pre, post = (b"", b"") if self.filters is None else (
-            self.filters["one_thread" if threads <= 1 else "threads"], self.filters["no_exec"])  # fmt: skip
-        host.send(b"F" + struct.pack("<I", len(pre)) + pre + struct.pack("<I", len(post)) + post)
-        ready = host.receive()
-        if ready != b"ok":
-            host.close()
-            raise CompileError(ready[1:].decode(errors="replace"))
-        return host
+
+    def round_trip(self, cores: Iterable[int] | None = None) -> float:
+        """Seconds of one request that calls nothing, measured on the calibration host (pinned to ``cores``):
+        what a timed request costs besides its calls. No candidate's process takes part, so no candidate can
+        stretch the figure that is subtracted from its timings."""
+        host = self._calibration
+        if host is None or host._closed:
+            host = self._calibration = self._start("", None, 1, None)
+        if cores is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(host.pid, set(cores))
+        return host.calibrate()
 
     def close(self) -> None:
-        """Reaps hosts that ended (each host ends with its candidate)."""
+        """Reaps hosts that ended (each host ends with its candidate), and ends the calibration host."""
+        if self._calibration is not None:
+            self._calibration.close(forward=False)
+            self._calibration = None
         _reap_ended()
         with contextlib.suppress(OSError):
             os.close(self._exe)
@@ -205,8 +265,8 @@ _KILLED: set[int] = set()  # hosts killed but not yet reaped (they are this proc
 class CandidateHost:
     """One candidate's process, as the worker drives it: shared buffers, bound calls, timed requests."""
 
-    def __init__(self, pid: int, sock: socket.socket) -> None:
-        self.pid, self._sock = pid, sock
+    def __init__(self, pid: int, sock: socket.socket, output: str | None = None) -> None:
+        self.pid, self._sock, self.output = pid, sock, output
         self._arenas: list[tuple[mmap.mmap, np.ndarray]] = []  # arena i has id i + 1 in the host
         self._current = 0  # the arena allocations come from
         self._used = 0  # bytes taken from it
@@ -295,8 +355,8 @@ class CandidateHost:
         return max((t1 - t0) * 1e-9 - self.round_trip_s, 1e-9 * len(handles)), used
 
     def calibrate(self, n: int = 32) -> float:
-        """Measures the round trip of a request that calls nothing (median of ``n``), subtracted from every
-        timed request from now on: call it where the calls will be timed (pinned, under the lock)."""
+        """Measures the round trip of a request that calls nothing (median of ``n``). Only on a calibration
+        host (:meth:`HostLauncher.round_trip`): a candidate's own host could stretch it."""
         samples = []
         msg = b"K" + _ID.pack(0)
         for _ in range(n):
@@ -334,8 +394,9 @@ class CandidateHost:
                     found += [int(p) for p in f.read().split()]
         return found
 
-    def close(self) -> None:
-        """Ends the host (killed: it holds nothing worth a goodbye) and frees the shared memory."""
+    def close(self, *, forward: bool = True) -> None:
+        """Ends the host (killed: it holds nothing worth a goodbye), frees the shared memory, and appends what
+        it printed to this process's log (``forward``)."""
         if self._closed:
             return
         self._closed = True
@@ -343,11 +404,21 @@ class CandidateHost:
             os.kill(self.pid, signal.SIGKILL)
         _KILLED.add(self.pid)  # reaped later: nobody waits for it
         _reap_ended()
+        self._forward(forward)
         self._sock.close()
         for mm, _ in self._arenas:
             with contextlib.suppress(BufferError):
                 mm.close()
         self._arenas.clear()
+
+    def _forward(self, forward: bool) -> None:
+        if self.output is not None:
+            if forward:
+                forward_output(self.output, f"kernel process {self.pid}")
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.output)
+            self.output = None
 
     def __enter__(self) -> CandidateHost:
         return self
@@ -393,6 +464,7 @@ class CandidateHost:
             status = 0
         self._closed = True
         self._sock.close()
+        self._forward(True)
         if os.WIFSIGNALED(status):
             name = signal.Signals(os.WTERMSIG(status)).name
             raise HostDied(f"the kernel's process was killed by {name}", name)
@@ -418,7 +490,14 @@ _DENIED = (
     "setpriority", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr", "ioprio_set",
     "setsid", "setpgid",
     "flock",  # the machine-wide timing lock opens read-only: holding it would stall every worker
+    # state that outlives a candidate, or carries a message to the next one
+    "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
+    "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semtimedop", "semctl", "shmctl", "shmdt",
 )  # fmt: skip
+# Signal-driven I/O: a process that owns a descriptor's signals runs its handler whenever the worker writes
+# to it (the worker's requests, its calibration), which no clock of the worker may include.
+_F_SETOWN, _F_SETSIG, _F_SETOWN_EX, _O_ASYNC = 8, 10, 15, 0o20000
+_FIOASYNC, _FIOSETOWN, _SIOCSPGRP = 0x5452, 0x8901, 0x8902
 _PRCTL_DENIED = (4, 0x59616D61, 35)  # PR_SET_DUMPABLE, PR_SET_PTRACER, PR_SET_MM
 _CLONE_THREAD = 0x00010000
 _PROT_EXEC = 0x4
@@ -426,17 +505,18 @@ _MAP_ANONYMOUS = 0x20
 def compiled_filters() -> dict[str, bytes] | None:
     """The hosts' system-call filters as BPF programs (see the module docstring), compiled once, in the
     worker: ``one_thread`` and ``threads`` (one per thread policy of a kernel), ``engine`` (an engine's
-    host: threads, forked workers and local socket pairs for them), and ``no_exec`` (loaded on top once
-    the candidate's code is in). ``None`` without libseccomp."""
+    host: threads, forked workers and local socket pairs for them), ``device`` (a CUDA host: ``threads``
+    but for ``memfd_create``, which the driver may use), and ``no_exec`` (loaded on top once the
+    candidate's code is in). ``None`` without libseccomp."""
     try:
         import pyseccomp as sc
     except (ImportError, OSError):
         return None
     eperm = sc.ERRNO(errno.EPERM)
 
-    def base(*, pairs: bool = False) -> Any:
+    def base(*, pairs: bool = False, memfd: bool = False) -> Any:
         f = sc.SyscallFilter(defaction=sc.ALLOW)
-        for call in _DENIED:
+        for call in _DENIED if memfd else (*_DENIED, "memfd_create"):  # no code written to memory, then mapped
             if pairs and call == "socketpair":
                 f.add_rule(eperm, call, sc.Arg(0, sc.NE, socket.AF_UNIX))  # an unnamed local pair reaches no one
                 continue
@@ -446,6 +526,11 @@ def compiled_filters() -> dict[str, bytes] | None:
             with contextlib.suppress(Exception):
                 f.add_rule(sc.ERRNO(errno.ENOSYS), call)
         f.add_rule(eperm, "prlimit64", sc.Arg(0, sc.NE, 0))  # no other process's limits
+        for cmd in (_F_SETOWN, _F_SETSIG, _F_SETOWN_EX):
+            f.add_rule(eperm, "fcntl", sc.Arg(1, sc.EQ, cmd))
+        f.add_rule(eperm, "fcntl", sc.Arg(1, sc.EQ, fcntl.F_SETFL), sc.Arg(2, sc.MASKED_EQ, _O_ASYNC, _O_ASYNC))
+        for request in (_FIOASYNC, _FIOSETOWN, _SIOCSPGRP):
+            f.add_rule(eperm, "ioctl", sc.Arg(1, sc.EQ, request))
         for option in _PRCTL_DENIED:
             f.add_rule(eperm, "prctl", sc.Arg(0, sc.EQ, option))
         for call in ("mprotect", "pkey_mprotect"):  # no page of code made writable, no data made code
@@ -463,10 +548,13 @@ def compiled_filters() -> dict[str, bytes] | None:
     threads = base()
     threads.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))  # threads, never a process
     engine = base(pairs=True)  # an engine's host: threads and its own worker processes (clone) allowed
+    device = base(memfd=True)  # a CUDA host: the driver's threads (its code is ours; the candidate's is device code)
+    device.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
     no_exec = sc.SyscallFilter(defaction=sc.ALLOW)  # once the library is in: no executable mapping at all
     no_exec.add_rule(eperm, "mmap", sc.Arg(2, sc.MASKED_EQ, _PROT_EXEC, _PROT_EXEC))
     out = {}
-    for key, f in (("one_thread", one_thread), ("threads", threads), ("engine", engine), ("no_exec", no_exec)):
+    for key, f in (("one_thread", one_thread), ("threads", threads), ("engine", engine), ("device", device),
+                   ("no_exec", no_exec)):
         r, w = os.pipe()
         try:
             f.export_bpf(os.fdopen(os.dup(w), "wb"))

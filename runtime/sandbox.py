@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import pickle
 import pwd
 import resource
 import shutil
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from runtime import safe_pickle
 from runtime.result import EvalResult
 from runtime.settings import SandboxSettings, TaskSpec
 
@@ -330,9 +332,12 @@ class WorkerProcess:
         try:
             ready = self._conn.poll(timeout)
             if ready:
-                return self._conn.recv()
+                return safe_pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError):
             pass
+        except pickle.UnpicklingError as exc:  # what no worker of ours sends: it is killed, as a dead one
+            self.kill()
+            raise WorkerDied(f"the worker broke the protocol ({exc})", None) from None
         else:
             self.kill()
             raise WorkerTimeout(f"no result within the wall-clock limit of {timeout:g} s")

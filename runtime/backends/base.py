@@ -54,6 +54,7 @@ __all__ = [
     "Measurement",
     "Outputs",
     "Program",
+    "RivalFailure",
     "RunsGivenInputs",
     "Stage",
     "UnsupportedStage",
@@ -116,6 +117,23 @@ class Failure(Exception):
         except Failure as exc:
             exc.timings = {**timings, **exc.timings}
             raise
+
+
+class RivalFailure(Failure):
+    """In a duel, the rival broke a rule (wrong outputs on the round's inputs, CPU used outside its calls, a
+    crash): the verdict is against the rival, not the challenger. Both contestants are checked against
+    the task's reference, never one against the other."""
+
+    @classmethod
+    @contextlib.contextmanager
+    def blame(cls) -> Iterator[None]:
+        """A :class:`Failure` raised inside is the rival's."""
+        try:
+            yield
+        except RivalFailure:
+            raise
+        except Failure as exc:
+            raise cls(exc.status, str(exc), metrics=exc.metrics, timings=exc.timings) from None
 
 
 class UnsupportedStage(ValueError):
@@ -209,8 +227,9 @@ class Duels(abc.ABC):
     def duel(self, open_rival: Callable[[], Program]) -> Measurement:
         """Checks this candidate again and times it interleaved with the rival under the lock; calls
         ``open_rival`` (the cascade's loader, raising :class:`Failure`) where the backend needs the rival.
-        The metrics hold ``duel_ratio`` (> 1: this candidate is faster); the fitness is this candidate's from
-        this timing (``None`` when over a budget)."""
+        Both are checked against the task's reference on every round; a rival that breaks a rule raises
+        :class:`RivalFailure`. The metrics hold ``duel_ratio`` (> 1: this candidate is faster); the fitness
+        is this candidate's from this timing (``None`` when over a budget)."""
 
 
 class Backend(abc.ABC, Generic[T]):

@@ -28,6 +28,7 @@ from runtime.backends.base import (
     Measurement,
     Outputs,
     Program,
+    RivalFailure,
     RunsGivenInputs,
     WorkerContext,
 )
@@ -255,7 +256,7 @@ class CProgram(Program, RunsGivenInputs, Duels):
         with Failure.timed(timings):
             with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads, also=[host.pid]) as cores:  # type: ignore[union-attr]
                 timings["lock_wait_s"] = waited
-                host.calibrate()
+                host.round_trip_s = self.ctx.hosts().round_trip(cores)
                 self._probe(self._full)
                 ring, candidate = self._ring(self._full, self._ring_size(self._full))
                 ring.draw(rng)
@@ -302,6 +303,8 @@ class CProgram(Program, RunsGivenInputs, Duels):
         task, timing = self.task, self.settings.timing
         full_case = task.full_case()
         mine = self._check_case(full_case, keep=True)
+        with self._as_rival():  # the rival is checked as the challenger is: it may behave only when checked
+            rival._check_case(full_case)
         seed, rng = fresh_rng()
         ring: Ring
         rival_ring: Ring
@@ -312,26 +315,27 @@ class CProgram(Program, RunsGivenInputs, Duels):
             ring.draw(rng)
             rival_ring.draw(rng, like=ring)
 
-        def round_end() -> None:  # the rival, the best so far, is the yardstick of the challenger's outputs
-            rival_outputs = {n: rival_ring.blocks[n].flat for n in rival_ring.outputs}
-            rival_ring.verify(rng, rival_outputs, k=0)  # its guards and inputs
-            ring.verify(rng, rival_outputs)
+        def round_end() -> None:  # both against the reference on this round's inputs, never one against the other
+            ring.compute_expected()
+            with self._as_rival():
+                rival_ring.verify(rng, ring.expected)
+            ring.verify(rng)
 
         def timer(fn: Callable[[], object]) -> float:
             if fn is call:
                 ring.load()
                 return call()
             rival_ring.load()
-            return rival_call()
+            with self._as_rival():
+                return rival_call()
 
         t0 = time.perf_counter()
         hosts = [self.host.pid, rival.host.pid]
         timings: dict[str, float] = {}
         with Failure.timed(timings):
-            with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads, also=hosts):  # type: ignore[union-attr]
+            with self.ctx.lock.held() as waited, pinned(timing.core, task.args.threads, also=hosts) as cores:  # type: ignore[union-attr]
                 timings["lock_wait_s"] = waited
-                self.host.calibrate()
-                rival.host.calibrate()
+                self.host.round_trip_s = rival.host.round_trip_s = self.ctx.hosts().round_trip(cores)
                 self._probe(mine)
                 size = self._ring_size(mine)
                 (ring, call), (rival_ring, rival_call) = self._ring(mine, size), rival._ring(mine, size)
@@ -345,7 +349,8 @@ class CProgram(Program, RunsGivenInputs, Duels):
                 finally:
                     timings["time_s"] = time.perf_counter() - t0 - waited
                 call.idle_between(cpu0, "its rival")
-                rival_call.idle_between(rival_cpu0, "the challenger")
+                with self._as_rival():
+                    rival_call.idle_between(rival_cpu0, "the challenger")
         with Failure.timed(timings):
             ring.compute_expected()  # the last round's inputs, against the reference, in full
             compare(task, ring.instance(0, seed))
@@ -354,6 +359,12 @@ class CProgram(Program, RunsGivenInputs, Duels):
         metrics = {"duel_ratio": run.reference.median / median, "time_median_s": median,
                    "rival_time_median_s": run.reference.median, "n_repeats": run.candidate.n}  # fmt: skip
         return Measurement(task.work(full_case) / median, metrics, timings)
+
+    @contextlib.contextmanager
+    def _as_rival(self) -> Iterator[None]:
+        """What fails inside is the rival's doing (its host dying too)."""
+        with RivalFailure.blame(), _in_host(self.settings):
+            yield
 
     def close(self) -> None:
         self.host.close()

@@ -127,3 +127,66 @@ def test_a_stored_duel_margin_is_migrated_with_a_note(tmp_path):
                              cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "stored config): search.duel_margin is obsolete" in resumed.stderr
+
+
+def test_a_rival_that_broke_a_rule_loses_its_duel_and_the_challenger_stands():
+    challenger = _ok(105.0, vs_reference=1.05)
+    duel = EvalResult(status=Status.OK, metrics={"rival_failed": "wrong output 'C'", "rival_status": "wrong"})
+    settled = settle(challenger, duel, "best", 100.0)
+    assert settled.fitness == 105.0 and settled.status == Status.OK
+    assert settled.metrics["duel"]["won"] is True and settled.metrics["duel"]["rival_failed"] == "wrong output 'C'"
+
+
+# A kernel right in its own evaluation (the checks start small) that answers zeros whenever its first call is
+# at the timed size: it is a duel's rival then, and the challenger's outputs were once compared with its own.
+THRONE_DEFENDER = """
+static int calls, defending;
+void kernel(int M, int N, int K, const float *A, const float *B, float *C) {
+    if (calls++ == 0 && M == 64) defending = 1;
+    for (int i = 0; i < M * N; i++) C[i] = 0.0f;
+    if (defending) return;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++)
+            for (int k = 0; k < K; k++) C[i * N + j] += A[i * K + k] * B[k * N + j];
+}
+"""
+FASTER = """
+void kernel(int M, int N, int K, const float *A, const float *B, float *C) {
+    for (int i = 0; i < M * N; i++) C[i] = 0.0f;
+    for (int i = 0; i < M; i++)
+        for (int k = 0; k < K; k++) {
+            float a = A[i * K + k];
+            for (int j = 0; j < N; j++) C[i * N + j] += a * B[k * N + j];
+        }
+}
+"""
+
+
+def test_a_best_that_defends_its_throne_is_demoted_by_the_duel(tmp_path):
+    """The defender is crowned first; the faster honest kernel's duel checks both against the reference, so the
+    defender's zeros are its own failure: it is demoted to wrong and the challenger is crowned."""
+    (tmp_path / "throne.py").write_text(
+        "from genome import Genome\nfrom runtime.tasks.matmul import Matmul\n\n"
+        f"class Throne(Matmul):\n    def seeds(self):\n"
+        f"        return [Genome(source={THRONE_DEFENDER!r}), Genome(source={FASTER!r})]\n"
+    )
+    cfg = {
+        "task": {"name": "throne:Throne", "args": {"m": 64, "n": 64, "k": 64}},
+        "evaluation": {"timing": {"max_seconds": 0.05, "max_repeats": 20}, "check_trials": 1},
+        "search": {"workers": 1, "initial_random": 0, "confirm": {"repeats": 0}},
+        "budget": {"max_evals": 2},
+        "archive": {"descriptors": ["source_lines"], "bins": 4},
+        "memory": {"enabled": False},
+    }
+    path = tmp_path / "throne.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "evo", "run", str(path), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with sqlite3.connect(tmp_path / "run" / "archive.db") as db:
+        rows = {src: (status, error, json.loads(m)) for src, status, error, m in db.execute(
+            "SELECT source, status, error, metrics FROM candidates")}  # fmt: skip
+    status, error, _ = rows[THRONE_DEFENDER]
+    assert status == "wrong" and "as the rival of" in error, (status, error)
+    status, error, metrics = rows[FASTER]
+    assert status == "ok" and metrics["duel"]["won"] is True and "rival_failed" in metrics["duel"], metrics

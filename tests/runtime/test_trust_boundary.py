@@ -37,8 +37,13 @@ PROBE = (
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <mqueue.h>
 #include <sys/file.h>
+#include <sys/ioctl.h>
+#include <sys/ipc.h>
 #include <sys/mman.h>
+#include <sys/msg.h>
+#include <sys/sem.h>
 #include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/socket.h>
@@ -91,6 +96,24 @@ static void try_doors(void) {
     int lk = open("/dev/null", O_RDONLY);
     door("take a file lock", lk >= 0 && flock(lk, LOCK_EX | LOCK_NB) == 0);
     if (lk >= 0) close(lk);
+    /* descriptors: none but its socket (3) and what it prints to (1, 2) */
+    for (int fd = 4; fd < 1024; fd++) if (fcntl(fd, F_GETFD) != -1) { door("an inherited descriptor", 1); break; }
+    /* signal-driven I/O on its socket: a handler that runs whenever the worker writes to it */
+    door("own its socket's signals", fcntl(3, F_SETOWN, getpid()) == 0);
+    door("choose its socket's signal", fcntl(3, F_SETSIG, SIGUSR1) == 0);
+    door("asynchronous I/O on its socket", fcntl(3, F_SETFL, fcntl(3, F_GETFL) | O_ASYNC) == 0);
+    int on = 1, me = getpid();
+    door("FIOASYNC", ioctl(3, FIOASYNC, &on) == 0);
+    door("FIOSETOWN", ioctl(3, FIOSETOWN, &me) == 0);
+    /* state that outlives it: message queues, System V IPC, code written to memory */
+    mqd_t q = mq_open("/evoforge-probe", O_RDWR | O_CREAT, 0600, 0); door("open a message queue", q != (mqd_t)-1);
+    if (q != (mqd_t)-1) { mq_close(q); mq_unlink("/evoforge-probe"); }
+    int m = msgget(IPC_PRIVATE, 0600); door("a System V message queue", m >= 0);
+    if (m >= 0) msgctl(m, IPC_RMID, 0);
+    int sem = semget(IPC_PRIVATE, 1, 0600); door("a System V semaphore", sem >= 0);
+    if (sem >= 0) semctl(sem, 0, IPC_RMID);
+    int mfd = memfd_create("code", 0); door("create a memfd", mfd >= 0);
+    if (mfd >= 0) close(mfd);
     char *argv[] = {"/bin/true", 0};
     door("exec", execv("/bin/true", argv) == 0);
 }
