@@ -13,6 +13,7 @@ from archive import LAYOUT_KEY, Archive, CVTArchive, GridArchive, RunView, Store
 from evo.config import ExecutionConfig, RunConfig, dump_config, parse_config
 from evo.errors import UserError
 from runtime import Task
+from runtime.sandbox import private_dir
 
 __all__ = ["RunDir", "build_archive"]
 
@@ -23,6 +24,7 @@ class RunDir:
     def __init__(self, path: Path, store: Store) -> None:
         self.path = path
         self.store = store
+        private_dir(path)  # a run started by an older version too
         self.cache_dir = path / "cache"
         self.log_dir = path / "logs"
         self.cache_dir.mkdir(exist_ok=True)
@@ -34,7 +36,7 @@ class RunDir:
             raise UserError(
                 f"{path} already holds a run: pass --resume to continue it, or --run-dir to start a new one"
             )
-        path.mkdir(parents=True, exist_ok=True)
+        private_dir(path)
         store = Store(path / DB_NAME)
         text = dump_config(config)
         store.set_meta("config", text)

@@ -17,6 +17,9 @@ Stages by request (``EvalRequest.stages``):
   each checked against the reference. A rival that breaks a rule ends the duel ``ok`` with no fitness
   and ``rival_failed`` (why) and ``rival_status`` in the metrics.
 
+A fitness beyond the task's physical ceiling (:meth:`runtime.task.Task.ceiling`, from the core's measured
+FMA peak) is ``invalid``, whatever produced it.
+
 Timings: ``compile_s``, ``check_s``, ``lock_wait_s``, ``time_s``, ``total_s``, ``calls_s`` (inside the
 candidate's and the reference's calls) and ``overhead_s`` (the rest, less compile and lock wait).
 A failed result keeps only ``compile_cached`` and the metrics its :class:`Failure` carries.
@@ -107,12 +110,14 @@ def _evaluate(request: EvalRequest, task: Task, ctx: WorkerContext, waited: floa
                 fitness = duel.fitness
                 metrics.update(duel.metrics, duel_rival=request.rival.id)  # type: ignore[union-attr]
                 timings.update(duel.timings)
+                _within_reach(task, fitness, settings, ctx)
         elif request.stages != "compile":
             t0 = time.perf_counter()
             metrics.update(program.check(settings.check_trials))  # a failure carries check_s if it has one
             timings["check_s"] = time.perf_counter() - t0
             if request.stages == "full":
                 fitness = _time(program, settings, metrics, timings)
+                _within_reach(task, fitness, settings, ctx)
         status, error = Status.OK, None
     except Failure as exc:
         status, fitness, error = exc.status, None, str(exc)
@@ -129,6 +134,26 @@ def _evaluate(request: EvalRequest, task: Task, ctx: WorkerContext, waited: floa
     timings["overhead_s"] = max(0.0, total - timings.get("compile_s", 0.0) - calls - timings.get("lock_wait_s", 0.0))
     return EvalResult(status=status, fitness=fitness, unit=task.unit, metrics=metrics, error=error, timings=timings,
                       hardware=hardware, outputs=outputs)  # fmt: skip
+
+
+_CLOCK_MARGIN = 1.15
+"""How far a fitness may exceed the task's ceiling before it is ``invalid``: the core's clock when the peak was
+measured and when the candidate ran may differ (turbo), and a measurement only errs low."""
+
+
+def _within_reach(task: Task, fitness: float | None, settings: EvalSettings, ctx: WorkerContext) -> None:
+    """Raises ``invalid`` for a fitness beyond what the machine can physically do (:meth:`Task.ceiling`),
+    after measuring the peak once more, now: no clock, calibration or subtraction may produce it."""
+    if fitness is None or task.ceiling(1.0) is None:
+        return
+    core = settings.timing.core
+    for again in (False, True):
+        bound = task.ceiling(ctx.fma_peak(core, again=again))
+        if bound is None or fitness <= bound * _CLOCK_MARGIN:
+            return
+    raise Failure(Status.INVALID, f"{fitness:.4g} {task.unit} is beyond what this machine can compute: at most "
+                  f"{bound:.4g} by the cores' measured FMA peak of {ctx.peak_gflops:.4g} GFLOP/s each; "
+                  "the timing was tampered with")  # fmt: skip
 
 
 def _time(program: Program, settings: EvalSettings, metrics: dict[str, Any], timings: dict[str, float]) -> float | None:

@@ -47,6 +47,7 @@ __all__ = [
     "enter_sandbox",
     "group_members",
     "kill_group",
+    "private_dir",
     "sandbox_ids",
     "scrubbed_env",
 ]
@@ -82,6 +83,16 @@ def scrubbed_env(threads: int, work_dir: str, gpu: str | None = None) -> dict[st
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     return env
+
+
+def private_dir(path: str | os.PathLike[str]) -> None:
+    """Creates ``path`` (and its parents) if needed and makes it its owner's alone (0700): a run's store, config,
+    logs and compile cache hold every candidate's source and figures, which the sandbox user must not read
+    (the workers reach the compile cache through a descriptor opened before they drop privileges)."""
+    os.makedirs(path, exist_ok=True)
+    with contextlib.suppress(OSError):  # not ours to change: left as it is
+        if os.stat(path).st_uid == os.geteuid():
+            os.chmod(path, 0o700)
 
 
 # --- worker side --------------------------------------------------------------------------------

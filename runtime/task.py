@@ -131,6 +131,12 @@ class Task(abc.ABC):
             ),
         }
 
+    def ceiling(self, fma_gflops: float) -> float | None:
+        """The highest fitness the machine can physically reach, given one core's measured fp32 FMA peak in
+        GFLOP/s (:mod:`runtime.peak`): a fitness above it (with a margin for the core's clock) is ``invalid``,
+        forged whatever the path. ``None`` (the default): no bound is known."""
+        return None
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -218,10 +224,16 @@ class KernelTask(Task):
         terms, not with what is left after they cancel (matmul gives ``|A| @ |B|``)."""
         return None
 
+    def rms_tolerance(self, case: Case) -> float | None:
+        """The largest ``rms(out - ref) / rms(ref)`` over all elements of an output together, on typical values;
+        ``None`` (the default): no such bound. Each element may pass :meth:`tolerance` while all together show
+        arithmetic of fewer bits than the task's (inputs rounded to 14 bits, an int16 fixed-point GEMM)."""
+        return None
+
     def value_kinds(self) -> tuple[str, ...]:
         """The value distributions the kernel must be correct on (see :data:`VALUE_KINDS`). Besides the
-        typical checks, each is checked once per evaluation on one of the cheaper check cases; the full
-        case and the timing see ``typical`` values.
+        typical checks, each is checked on every check case of one draw (subnormals but the largest ones:
+        :func:`runtime.backends.kernels.check_plan`); the full case and the timing see ``typical`` values.
         The default, ``("typical",)``, is what :meth:`inputs` draws and nothing more."""
         return ("typical",)
 

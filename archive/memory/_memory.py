@@ -12,6 +12,7 @@ missing or damaged index file is rebuilt from the rows with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -49,6 +50,9 @@ class Memory:
         self.settings = settings or MemorySettings()
         self.path = Path(path) if path is not None else self.settings.resolved_path()
         self.path.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # every run's discoveries: not for the sandbox user to read
+            if self.path.stat().st_uid == os.geteuid():
+                self.path.chmod(0o700)
         self.embedder = embedder or make_embedder(self.settings.embedder)
         self._lock = FileLock(self.path / self.LOCK)
         self._conn = _db.connect(self.path / self.DB)

@@ -39,6 +39,7 @@ from evo.factory.config import FactoryConfig
 from evo.factory.kernels import engine_run_config, kernel_run_config
 from evo.factory.measure import measure
 from evo.factory.plan import Plan, make_plan
+from runtime.sandbox import private_dir
 
 __all__ = ["Factory", "read_events", "read_promotions"]
 
@@ -106,7 +107,7 @@ class Factory:
             raise UserError(f"{path} already holds a factory: continue it with --resume, or choose another --dir")
         factory = cls(config, path, **kw)
         factory._model_config()  # a model the engine cannot run is one line, before anything is written
-        path.mkdir(parents=True, exist_ok=True)
+        private_dir(path)
         (path / "factory.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
         return factory
 
@@ -119,6 +120,7 @@ class Factory:
         config = FactoryConfig.model_validate(yaml.safe_load(stored.read_text()))
         if rounds is not None:
             config = config.model_copy(update={"budget": config.budget.model_copy(update={"rounds": rounds})})
+        private_dir(path)  # one started by an older version too
         return cls(config, path, **kw)
 
     # --- the rounds -------------------------------------------------------------------------------

@@ -81,6 +81,19 @@ class WorkerContext:
     hardware: dict[str, Any] | None = None
     cc: str = "cc"  # the compiler the candidate host executable is built with
     launcher: HostLauncher | None = None  # starts candidate hosts (set up on first use)
+    peak_gflops: float | None = None  # this core's fp32 FMA peak (runtime.peak), once measured
+
+    def fma_peak(self, core: int | None, *, again: bool = False) -> float:
+        """This core's fp32 FMA peak in GFLOP/s (:mod:`runtime.peak`), measured on first use (``again``: now
+        too), pinned and under the timing lock. A measurement only errs low, so the highest one is kept."""
+        if self.peak_gflops is None or again:
+            from runtime.peak import fma_peak_gflops
+            from runtime.timing import pinned
+
+            with self.lock.held() if self.lock is not None else contextlib.nullcontext(), pinned(core):
+                measured = fma_peak_gflops(self.cache_dir, self.work_dir, cc=self.cc)
+            self.peak_gflops = max(measured, self.peak_gflops or 0.0)
+        return self.peak_gflops
 
     def hosts(self) -> HostLauncher:
         """What starts a candidate's host process (:mod:`runtime.host`); its executable is built into the

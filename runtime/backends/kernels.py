@@ -29,10 +29,12 @@ __all__ = [
     "CallClock",
     "Instance",
     "check_plan",
+    "check_rms",
     "compare",
     "fresh_rng",
     "guarded_empty",
     "poison",
+    "rms_error",
     "timing_metrics",
     "within_tolerance",
 ]
@@ -155,23 +157,59 @@ class Instance:
                 raise Failure(Status.INVALID, f"modified its inputs ({name!r}), case {self.case}")
 
 
+EDGE_WORK_SHARE = 1 / 16
+"""Subnormal values skip the largest quarter of the check cases over this share of the timed case's work:
+subnormal arithmetic can be a hundred times slower (microcode assists), so not at the largest shapes."""
+
+
 def check_plan(task: KernelTask, trials: int) -> list[tuple[Case, str]]:
-    """The check cases of ``trials`` fresh draws on typical values, then each other value distribution of
-    the task's :meth:`~runtime.task.KernelTask.value_kinds` once, on a case drawn from the cheaper half
-    of them (subnormal arithmetic can be a hundred times slower: not at the largest shapes)."""
+    """The check cases of ``trials`` fresh draws on typical values, then each other value distribution of the
+    task's :meth:`~runtime.task.KernelTask.value_kinds` on every case of the first draw (``denormals`` on all but
+    its largest quarter above :data:`EDGE_WORK_SHARE` of the timed case's work): a kernel must be right on zeros,
+    subnormals, huge and tiny values at every size it may switch paths at, not only the smallest ones."""
     rng = fresh_rng()[1]
-    cases = [case for _ in range(trials) for case in task.check_cases(rng)]
-    plan = [(case, "typical") for case in cases]
-    cheap = sorted(cases, key=task.work)[: max(1, len(cases) // 2)]
+    draws = [task.check_cases(rng) for _ in range(trials)]
+    plan = [(case, "typical") for cases in draws for case in cases]
+    cap = task.work(task.full_case()) * EDGE_WORK_SHARE
+    ranked = sorted(draws[0], key=task.work)
+    lower = ranked[: max(1, (3 * len(ranked) + 3) // 4)]
     for kind in task.value_kinds():
-        if kind != "typical" and cheap:
-            plan.append((cheap[int(rng.integers(len(cheap)))], kind))
+        if kind == "typical":
+            continue
+        for case in draws[0]:
+            if kind != "denormals" or task.work(case) <= cap or any(case is c for c in lower):
+                plan.append((case, kind))
     return plan
+
+
+def rms_error(got: np.ndarray, expected: np.ndarray) -> float:
+    """``rms(got - expected) / rms(expected)`` over the finite expected elements (0 when they are all zero and
+    so is the difference)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        g, e = got.astype(np.float64, copy=False).ravel(), expected.astype(np.float64, copy=False).ravel()
+        keep = np.isfinite(e)
+        diff = float(np.sqrt(np.mean(np.square(g[keep] - e[keep])))) if keep.any() else 0.0
+        size = float(np.sqrt(np.mean(np.square(e[keep])))) if keep.any() else 0.0
+    if diff == 0.0:
+        return 0.0
+    return diff / size if size > 0 else float("inf")
+
+
+def check_rms(task: KernelTask, case: Case, name: str, got: np.ndarray, expected: np.ndarray, where: str) -> None:
+    """Raises ``wrong`` when the output's relative RMS error is over the task's :meth:`rms_tolerance`."""
+    bound = task.rms_tolerance(case)
+    if bound is None:
+        return
+    err = rms_error(got, expected)
+    if not err <= bound:
+        raise Failure(Status.WRONG, f"relative RMS error {err:.3g} in output {name!r} is over {bound:g} (each element "
+                      f"may pass alone; all together they show arithmetic of fewer bits); {where}")  # fmt: skip
 
 
 def compare(task: KernelTask, inst: Instance) -> None:
     """Raises ``wrong`` when an output of ``inst.arrays`` is outside the task's tolerance of the expected one
-    (measured against the task's :meth:`~runtime.task.KernelTask.error_scale`)."""
+    (measured against the task's :meth:`~runtime.task.KernelTask.error_scale`), or, on typical values, when all
+    its elements together are over the task's :meth:`~runtime.task.KernelTask.rms_tolerance`."""
     rtol, atol = task.tolerance(inst.case)
     scales = task.error_scale(inst.case, inst.inputs, inst.expected) or {}
     for name in inst.outputs:
@@ -179,6 +217,8 @@ def compare(task: KernelTask, inst: Instance) -> None:
         scale = scales.get(name)
         bad = ~within_tolerance(got, exp, rtol, atol, scale)
         if not bad.any():
+            if inst.kind == "typical":
+                check_rms(task, inst.case, name, got, exp, f"{inst.describe()}, input seed {inst.seed}")
             continue
         with np.errstate(invalid="ignore", over="ignore"):
             g, e = got.astype(np.float64, copy=False), exp.astype(np.float64, copy=False)

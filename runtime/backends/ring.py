@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from runtime.backends.base import Failure
-from runtime.backends.kernels import GUARD_BYTES, SENTINEL, Alloc, Instance, poison, within_tolerance
+from runtime.backends.kernels import GUARD_BYTES, SENTINEL, Alloc, Instance, check_rms, poison, within_tolerance
 from runtime.result import Status
 from runtime.task import KernelTask
 
@@ -117,6 +117,7 @@ class Ring:
                 raise Failure(Status.WRONG, f"wrong output {name!r} on a timed call with fresh inputs, at index "
                               f"{where}: expected {e[i].item()!r}, got {g[i].item()!r} ({int(bad.sum())} of {k} "
                               f"sampled elements outside rtol={rtol:g}, atol={atol:g}); case {self.case}")  # fmt: skip
+            check_rms(self.task, self.case, name, g, e, f"{k} elements sampled on a timed call, case {self.case}")
 
     def instance(self, j: int, seed: int) -> Instance:
         """Instance ``j`` as an :class:`Instance` (for a full comparison with the reference's outputs);

@@ -53,7 +53,12 @@ class LinearTask(KernelTask):
     packed: ClassVar[tuple[str, ...]]  # the input arrays the kernel gets in W's place, in order
     block: ClassVar[tuple[str, str]]  # (name, what it counts) of the accumulator-block descriptor
     sources: ClassVar[tuple[str, str]]  # (template, naive seed) C files
+    peak_multiple: ClassVar[int]  # its widest instructions' flops per cycle over fp32 FMA's (AMX's, at most)
     args: LinearArgs
+
+    def ceiling(self, fma_gflops: float) -> float:
+        """No more than the fastest matrix instructions of the type: ``peak_multiple`` times the fp32 FMA peak."""
+        return fma_gflops * self.args.threads * self.peak_multiple
 
     def space(self) -> ParamSpace:
         """ISA, the register tile (accumulators plus the B vectors fit 32 registers), the AMX block (C, A and B

@@ -100,6 +100,15 @@ class LayerNorm(KernelTask):
     def tolerance(self, case: Case) -> tuple[float, float]:
         return (1e-4, 1e-4)
 
+    def error_scale(self, case: Case, inputs: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray],
+                    ) -> Mapping[str, np.ndarray]:  # fmt: skip
+        """``|gamma * xhat| + |beta|``: the size of the two terms each element adds, which bounds its rounding where
+        they cancel (a huge gamma and beta, whose sum is near zero)."""
+        x = inputs["x"].astype(np.float64)
+        xc = x - x.mean(axis=-1, keepdims=True)
+        xhat = xc / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + self.args.eps)
+        return {"y": np.abs(inputs["gamma"].astype(np.float64) * xhat) + np.abs(inputs["beta"].astype(np.float64))}
+
     def work(self, case: Case) -> float:
         """Bytes moved: x read, y written (gamma and beta stay in cache)."""
         return case["rows"] * case["cols"] * 8 / 1e9

@@ -115,6 +115,7 @@ class LinearInt8(LinearTask):
     isa = "VNNI"
     # the ISA extensions, and no contraction into FMAs (the semantics round every product on its own)
     isa_flags = ("-mavx512vnni", "-mamx-tile", "-mamx-int8", "-ffp-contract=off")
+    peak_multiple = 32  # AMX-INT8: 2048 ops a cycle against AVX-512 FMA's 64
     panel = ("PANEL", 16, 512)  # rows quantised at a time
     tile_seed = {"ISA": "VNNI", "MR": 8, "NR": 2, "KU": 2, "AMX_MT": 2, "AMX_NT": 2, "PANEL": 64}  # 8 x 2 vectors
     packed = ("wq", "w_scale", "w_colsum")

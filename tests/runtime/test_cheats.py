@@ -173,3 +173,80 @@ def test_a_softmax_that_overflows_on_large_values_is_wrong_and_says_which(workdi
     seed = task.seeds()[0]
     honest = evaluate(dataclasses.replace(req, genome=seed, key=seed.id), task, ctx)
     assert honest.status is Status.OK, honest.error
+
+
+# Right on typical values at every size; from 48 rows on, it takes zeros of A for ones (a "fast path" that
+# only zeros reach): wrong there on inputs with zeros, which the old checks drew only at the tiny shapes.
+WRONG_ON_ZEROS_FROM_48 = f"""
+{SIGNATURE} {{
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {{
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) {{
+                float a = A[i * K + k];
+                if (M >= 48 && a == 0.0f) a = 1.0f;
+                s += a * B[k * N + j];
+            }}
+            C[i * N + j] = s;
+        }}
+}}
+"""
+
+
+def test_edge_values_are_checked_at_every_size_a_kernel_may_switch_paths_at(workdir, ctx):
+    spec = TaskSpec(name="matmul", args={"m": 256, "n": 256, "k": 256})
+    task = load_task_class(spec.name)(spec.args)
+    g = Genome(source=WRONG_ON_ZEROS_FROM_48)
+    req = EvalRequest(key=g.id, genome=g, task=spec, settings=make_settings(workdir),
+                      cache_dir=os.path.join(workdir, "cache"), stages="check")  # fmt: skip
+    for _ in range(3):  # whatever the sizes drawn (a typical draw may hold an exact zero too, rarely)
+        r = evaluate(req, task, ctx)
+        assert r.status is Status.WRONG, r
+
+
+# fp32 in name only: A and B rounded to 14 significant bits before an fp32 product, or quantised to int16 and
+# multiplied in integers. Every element alone is within matmul's per-element tolerance; all together are not.
+ROUNDED_TO_14_BITS = f"""
+#include <stdint.h>
+#include <string.h>
+static float r14(float x) {{ uint32_t u; memcpy(&u, &x, 4); u = (u + 0x200u) & ~0x3FFu; memcpy(&x, &u, 4); return x; }}
+{SIGNATURE} {{
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {{
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) s += r14(A[i * K + k]) * r14(B[k * N + j]);
+            C[i * N + j] = s;
+        }}
+}}
+"""
+INT16_FIXED_POINT = f"""
+#include <math.h>
+#include <stdint.h>
+static float amax(const float *x, long n) {{
+    float m = 1e-30f;
+    for (long i = 0; i < n; i++) m = fmaxf(m, fabsf(x[i]));
+    return m;
+}}
+{SIGNATURE} {{
+    float sa = amax(A, (long)M * K) / 32767.0f, sb = amax(B, (long)K * N) / 32767.0f;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {{
+            int64_t s = 0;
+            for (int k = 0; k < K; k++) s += (int64_t)lrintf(A[i * K + k] / sa) * lrintf(B[k * N + j] / sb);
+            C[i * N + j] = (float)s * sa * sb;
+        }}
+}}
+"""
+
+
+def test_arithmetic_of_fewer_bits_than_fp32_is_wrong(workdir, ctx):
+    spec = TaskSpec(name="matmul", args={"m": 96, "n": 96, "k": 512})
+    task = load_task_class(spec.name)(spec.args)
+    for source in (ROUNDED_TO_14_BITS, INT16_FIXED_POINT):
+        g = Genome(source=source)
+        req = EvalRequest(key=g.id, genome=g, task=spec, settings=make_settings(workdir),
+                          cache_dir=os.path.join(workdir, "cache"), stages="check")  # fmt: skip
+        r = evaluate(req, task, ctx)
+        assert r.status is Status.WRONG and "relative RMS error" in r.error, r
+    honest = evaluate(dataclasses.replace(req, genome=Genome(source=HONEST), key="honest"), task, ctx)
+    assert honest.status is Status.OK, honest.error

@@ -144,12 +144,22 @@ def test_value_kinds_reshape_float_inputs_only() -> None:
         task.inputs_of_kind(case, rng, "huge")
 
 
-def test_check_plan_covers_every_value_kind_once_at_least() -> None:
+def test_check_plan_covers_every_value_kind_at_every_size_checked() -> None:
     from runtime.backends.kernels import check_plan
 
     task = Matmul({"m": 64, "n": 64, "k": 64})
     plan = check_plan(task, 1)
     assert {kind for _, kind in plan} == set(task.value_kinds())
+    big = Matmul({"m": 1024, "n": 1024, "k": 1024})
+    for _ in range(5):
+        plan = check_plan(big, 3)
+        sizes = {tuple(c.values()) for c, kind in plan if kind == "typical"}
+        first_draw = {tuple(c.values()) for c, kind in plan if kind == "zeros"}
+        assert len(first_draw) >= len(sizes) // 3 and max(m for m, _, _ in first_draw) >= 127
+        for kind in ("large", "small", "zeros", "signed_zeros"):  # every size of the draw, the largest included
+            assert {tuple(c.values()) for c, k in plan if k == kind} == first_draw
+        subnormal = [big.work(c) for c, k in plan if k == "denormals"]
+        assert len(subnormal) >= 7 and max(subnormal) > big.work({"m": 64, "n": 64, "k": 64})
 
 
 def test_matmul_error_scale_forgives_cancellation_not_a_missing_term() -> None:
