@@ -208,17 +208,33 @@ class HostLauncher:
             raise CompileError(ready[1:].decode(errors="replace"))
         return host
 
-    def host(self, path: str, name: str, *, threads: int = 1, cpu_seconds: int | None = None) -> CandidateHost:
-        """A new host with the kernel ``name`` of the library at ``path`` loaded.
+    def host(self, path: str, name: str, *, threads: int = 1, cpu_seconds: int | None = None,
+             sha256: str | None = None) -> CandidateHost:  # fmt: skip
+        """A new host with the kernel ``name`` of the library at ``path`` loaded, from a sealed copy whose hash
+        must be ``sha256`` (what the compile step built): nothing can change what the host loads after the
+        check, and a library changed since it was built is refused.
 
-        Raises :class:`runtime.toolchain.CompileError` when the library does not load or defines no
-        ``name``, and :class:`HostDied` when the host dies loading it (a constructor that crashes, say).
+        Raises :class:`runtime.toolchain.CompileError` when the library does not load, defines no ``name`` or
+        is not the one built, and :class:`HostDied` when the host dies loading it (a constructor that crashes).
         """
+        from runtime.toolchain.cc import CompileError, library_sha256
+
         if not name:
             raise ValueError("a kernel needs a name")
-        opened = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # the host reaches the library through this only
-        lib = fcntl.fcntl(opened, fcntl.F_DUPFD_CLOEXEC, 10)
-        os.close(opened)
+        with open(path, "rb") as f:
+            data = f.read()
+        if sha256 is not None and library_sha256(data) != sha256:
+            raise CompileError(f"the library {os.path.basename(path)} changed since it was built (sha256 "
+                               f"{library_sha256(data)[:16]}, built {sha256[:16]}): refused")  # fmt: skip
+        sealed = os.memfd_create("evoforge-library", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(sealed, view) :]
+            fcntl.fcntl(sealed, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_WRITE)
+            lib = fcntl.fcntl(sealed, fcntl.F_DUPFD_CLOEXEC, 10)  # the host reaches the library through this only
+        finally:
+            os.close(sealed)
         try:
             return self._start(name, lib, threads, cpu_seconds)
         finally:

@@ -55,7 +55,7 @@ def compile_kernel(task: KernelTask, genome: Genome, settings: EvalSettings, ctx
                                cache_dir=ctx.cache_dir, work_dir=ctx.work_dir)  # fmt: skip
     except CompileError as exc:
         raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
-    return Build(genome, built.path, built.seconds, {"compile_cached": built.cached})
+    return Build(genome, built.path, built.seconds, {"compile_cached": built.cached, "library_sha256": built.sha256})
 
 
 def prime_kernel_task(task: KernelTask) -> None:
@@ -392,7 +392,8 @@ class CBackend(Backend[KernelTask]):
         """Forks the candidate's own host process and loads the library there (never in this process)."""
         try:
             host = ctx.hosts().host(build.artifact, task.kernel_name, threads=task.args.threads,
-                                    cpu_seconds=settings.sandbox.cpu_seconds)  # fmt: skip
+                                    cpu_seconds=settings.sandbox.cpu_seconds,
+                                    sha256=build.metrics["library_sha256"])  # fmt: skip
         except CompileError as exc:  # e.g. the library defines no such function
             raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
         except HostDied as exc:  # a library constructor that crashes

@@ -98,6 +98,17 @@ class CompileResult:
     path: str  # the shared library in the cache
     cached: bool  # True when no compiler ran
     seconds: float  # wall time spent compiling (0 for a cache hit)
+    sha256: str = ""  # of the library's bytes, as found in the cache: what its loader checks before loading
+
+
+def library_sha256(data: bytes) -> str:
+    """The hash a library is known by: results carry it, and a loader checks it before loading."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def _file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return library_sha256(f.read())
 
 
 def compile_source(
@@ -117,7 +128,7 @@ def compile_source(
     key = cache_key(source, flags, compiler_version(compiler.cc))
     final = os.path.join(cache_dir, f"{key}.so")
     if os.path.exists(final):
-        return CompileResult(final, True, 0.0)
+        return CompileResult(final, True, 0.0, _file_sha256(final))
     t0 = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="cc-", dir=work_dir)
     try:
@@ -127,10 +138,11 @@ def compile_source(
         # Relative names keep temporary paths out of error messages; diagnostics flags change no code.
         quiet = ["-fdiagnostics-color=never", "-fno-diagnostics-show-caret"]
         _run_compiler([compiler.cc, *flags, *quiet, "-o", "kernel.so", "kernel.c"], compiler, cwd=tmp)
+        digest = _file_sha256(out)
         publish(out, final, cache_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return CompileResult(final, False, time.perf_counter() - t0)
+    return CompileResult(final, False, time.perf_counter() - t0, digest)
 
 
 def run_tool(

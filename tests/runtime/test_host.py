@@ -56,3 +56,27 @@ def test_a_missing_function_and_too_many_arguments_are_refused(launcher):
             host.bind([0.0] * 9)
         with pytest.raises(TypeError, match="unsupported kernel argument"):
             host.bind(["text"])
+
+
+def test_a_library_changed_since_it_was_built_is_refused_and_what_loads_is_a_sealed_copy(launcher, tmp_path):
+    from runtime.toolchain.cc import library_sha256
+
+    launch, lib = launcher
+    copy = tmp_path / "copy.so"
+    copy.write_bytes(open(lib, "rb").read())
+    built = library_sha256(copy.read_bytes())
+    with launch.host(str(copy), "kernel", sha256=built) as host:
+        copy.write_bytes(b"\0" * 64)  # the file changes after the check: the host holds its own sealed copy
+        out = host.alloc(15 * 4).view(np.float32)
+        p = host.alloc(8).view(np.float32)
+        handle = host.bind([1, 0.5, 2, 3, p, 4, 1.0, 5, 6, 7, 8, 9, 10, 2.0, 11, out])
+        host.call_many((handle,))
+        assert out[0] == 1.0
+    with pytest.raises(CompileError, match="changed since it was built"):
+        launch.host(str(copy), "kernel", sha256=built)
+
+
+def test_the_calibration_host_loads_nothing_and_answers_in_microseconds(launcher):
+    launch, _ = launcher
+    trips = [launch.round_trip() for _ in range(3)]
+    assert all(0 < t < 1e-3 for t in trips), trips
