@@ -102,8 +102,8 @@ def _evaluate(request: EvalRequest, task: Task, ctx: WorkerContext, waited: floa
 
             try:
                 duel = program.duel(open_rival)  # type: ignore[attr-defined]
-            except RivalFailure as exc:  # a verdict against the rival: the challenger stands
-                metrics.update(rival_failed=str(exc), rival_status=str(exc.status),
+            except RivalFailure as exc:  # a verdict against the rival: the challenger stands (its figures kept)
+                metrics.update(exc.metrics, rival_failed=str(exc), rival_status=str(exc.status),
                                duel_rival=request.rival.id)  # type: ignore[union-attr]  # fmt: skip
                 timings.update(exc.timings)
             else:
@@ -111,6 +111,11 @@ def _evaluate(request: EvalRequest, task: Task, ctx: WorkerContext, waited: floa
                 metrics.update(duel.metrics, duel_rival=request.rival.id)  # type: ignore[union-attr]
                 timings.update(duel.timings)
                 _within_reach(task, fitness, settings, ctx)
+        elif request.stages == "profile":
+            metrics.update(program.check(settings.check_trials))
+            measured = program.profile()  # type: ignore[attr-defined]
+            metrics.update(measured.metrics)
+            timings.update(measured.timings)
         elif request.stages != "compile":
             t0 = time.perf_counter()
             metrics.update(program.check(settings.check_trials))  # a failure carries check_s if it has one

@@ -33,7 +33,8 @@ class EvalRequest:
     # is an UnsupportedStage error): "run" calls the candidate once on ``inputs`` for ``case`` (guarded,
     # checked for integrity) and returns its outputs in ``EvalResult.outputs`` (serving's kernel invoke);
     # "duel" checks the genome again, then times it side by side with ``rival`` (the current best):
-    # ``metrics["duel_ratio"]`` is the rival's time over the genome's (> 1: the genome is faster).
+    # ``metrics["duel_ratio"]`` is the rival's time over the genome's (> 1: the genome is faster); "profile"
+    # checks the genome, then says where its time goes (``metrics["profile"]``: the factory's plans).
     stages: Stage = "full"
     rival: Genome | None = None  # stages="duel" only
     case: Mapping[str, Any] | None = None  # stages="run" only

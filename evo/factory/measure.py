@@ -1,107 +1,113 @@
-"""The factory's measurements of whole engines, each in a child process of its own (``python -m
-evo.factory.measure KIND`` with a JSON spec on stdin, the JSON answer on stdout): an engine's evolved
-kernels never run in the factory's process.
+"""The factory's measurements of whole engines, behind the same boundary as every search's evaluations.
 
-- ``profile``: where the engine's time goes (:func:`runtime.engine.profile.profile_engine`);
-- ``duel``: a candidate engine against the incumbent: minimum cosine to the fp32 engine on held-out texts
-  (never a search's: their own salt), then alternating load rounds, both under the same load, pinned to
-  the same cores, under the machine's timing lock (no search compiles or times meanwhile).
+Each is a request to a sandboxed worker of the factory's own (:class:`runtime.pool.LocalPool`): the worker
+drops privileges and holds the load, its clock and the fp32 reference, and every engine runs in a host of
+its own under the system-call filter (the ``engine`` backend). What decides comes back over the worker's
+channel, never from a process that ran an engine's kernels.
 
-An engine is ``{"run_dir": ..., "elite": ...}``, or ``null`` for the default configuration.
+- ``profile``: where an engine's time goes (the backend's ``profile`` stage);
+- ``duel``: a candidate engine against the incumbent (the backend's ``duel`` stage): both checked for
+  their minimum cosine to the fp32 engine on held-out texts (never a search's: their own seed), then
+  alternating load rounds on the same new texts, the other engine stopped, pinned to the same cores,
+  under the machine's timing lock. An engine that breaks a rule (under the floor, wrong under load,
+  dying) loses with the reason.
+
+An engine is ``{"run_dir": ..., "elite": ...}`` (an engine run's candidate), or ``None`` for the default
+configuration. Both engines of a duel are one task: their runs' offered kernels side by side.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+from pathlib import Path
 from typing import Any
 
-__all__ = ["HELD_OUT_SALT", "measure"]
+from evo.factory.config import FactoryConfig
+from genome import Genome
+from runtime.executor import EvalRequest
+from runtime.result import EvalResult, Status
+from runtime.sandbox import private_dir
+from runtime.settings import EvalSettings, SandboxSettings, TaskSpec
 
-HELD_OUT_SALT = (1 << 62) + 7  # the held-out texts' salt: a search's loads draw theirs at random below 2^63
+__all__ = ["HELD_OUT_SALT", "Measurer"]
 
+HELD_OUT_SALT = (1 << 62) + 7  # the held-out texts' seed: a search's loads draw theirs at random below 2^63
 
-def measure(kind: str, spec: dict[str, Any], *, timeout: float = 1800) -> dict[str, Any]:
-    """Runs one measurement in a child process; raises RuntimeError with its error output when it fails."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "evo.factory.measure", kind], input=json.dumps(spec),
-                          capture_output=True, text=True, timeout=timeout, env=env)  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"the {kind} measurement failed: {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout)
-
-
-def _engine(which: dict[str, Any] | None, model: Any) -> Any:
-    from archive import read_run
-    from runtime.engine import Engine, EngineConfig, load_elite, numpy_ops
-
-    if which is None:
-        return Engine(model, numpy_ops(), EngineConfig())
-    with read_run(which["run_dir"]) as run:
-        return load_elite(run, which["elite"], runs=read_run, model=model)
+EngineRef = dict[str, Any] | None
 
 
-def _task(spec: dict[str, Any]) -> Any:
-    from runtime.engine.task import EngineTask
+class Measurer:
+    """The factory's measurements (:meth:`profile`, :meth:`duel`), on one sandboxed worker started on first use;
+    its compile cache and logs live in the factory directory."""
 
-    return EngineTask({**spec["load"], "model_dir": spec.get("model_dir"), "seed": spec.get("seed", 0)})
+    def __init__(self, factory_dir: Path, config: FactoryConfig) -> None:
+        self.config = config
+        self.cache_dir = factory_dir / "cache"
+        self.log_dir = factory_dir / "logs" / "measurements"
+        self._pool: Any = None
 
+    def profile(self, engine: EngineRef) -> EvalResult:
+        """Where ``engine``'s time goes on the load's texts (``metrics["profile"]`` when ``ok``)."""
+        spec, (genome,) = self._task([engine], seed=self.config.seed)
+        return self._evaluate(EvalRequest(key=f"profile-{genome.id}", genome=genome, task=spec, stages="profile",
+                                          settings=self._settings(1), cache_dir=str(self.cache_dir)))  # fmt: skip
 
-def _profile(spec: dict[str, Any]) -> dict[str, Any]:
-    from runtime.engine.profile import profile_engine
+    def duel(self, candidate: EngineRef, incumbent: EngineRef) -> EvalResult:
+        """``candidate`` against ``incumbent``: ``ok`` with both engines' figures (``similarity``, ``throughput``,
+        ``p99_ms``, ``rounds`` and their ``rival_`` twins), ``ok`` with ``rival_failed`` when the incumbent broke
+        a rule, or the candidate's failure."""
+        p = self.config.promote
+        spec, (mine, theirs) = self._task([candidate, incumbent], seed=HELD_OUT_SALT, duration_s=p.duration_s,
+                                          duel_rounds=p.rounds, check_texts=p.held_out_texts,
+                                          texts=max(self.config.load.texts, p.held_out_texts))  # fmt: skip
+        settings = self._settings(2 * p.rounds)
+        return self._evaluate(EvalRequest(key=f"duel-{mine.id}", genome=mine, rival=theirs, task=spec, stages="duel",
+                                          settings=settings, cache_dir=str(self.cache_dir)))  # fmt: skip
 
-    task = _task(spec)
-    engine = _engine(spec.get("engine"), task.model())
-    try:
-        return profile_engine(engine, task.texts()).to_dict()
-    finally:
-        engine.close()
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
+    # --- internals -----------------------------------------------------------------------------------
 
-def _duel(spec: dict[str, Any]) -> dict[str, Any]:
-    import numpy as np
+    def _task(self, engines: list[EngineRef], **args: Any) -> tuple[TaskSpec, list[Genome]]:
+        """One engine task holding every engine's kernels, under the factory's load, and each engine's genome."""
+        from archive import read_run
+        from runtime.engine import elite_task
 
-    from runtime.engine import closed_loop
-    from runtime.engine.task import cosines
-    from runtime.timing import TimingLock, pinned
+        kernels: dict[str, list[dict[str, Any]]] = {}
+        genomes = []
+        for ref in engines:
+            if ref is None:
+                genomes.append(Genome(params={}))  # EngineConfig()'s defaults: numpy operators, fp32, one worker
+                continue
+            with read_run(ref["run_dir"]) as run:
+                task, _, _, _ = elite_task(run, ref["elite"], runs=read_run)
+                genomes.append(run.stored(ref["elite"]).genome)
+            for slot in task.args.kernels:
+                for kr in task.args.kernel_runs(slot):
+                    kernels.setdefault(slot, []).append({**kr.model_dump(mode="json"), "follow": False})
+        c = self.config
+        full = {**c.load.model_dump(mode="json"), "similarity_floor": c.promote.similarity_floor, "kernels": kernels,
+                "model_dir": c.model_dir, **args}  # fmt: skip
+        return TaskSpec(name="engine", args=full), genomes
 
-    task = _task(spec)
-    model = task.model()
-    held = task.fresh_texts(HELD_OUT_SALT)
-    held_out = [held[i] for i in range(spec["held_out_texts"])]
-    reference = task.reference_embed(held_out)
-    load = spec["load"]
-    engines = {"candidate": _engine(spec["candidate"], model), "incumbent": _engine(spec.get("incumbent"), model)}
-    out: dict[str, Any] = {name: {"rounds": []} for name in engines}
-    try:
-        for name, engine in engines.items():
-            out[name]["similarity"] = float(np.min(cosines(engine.embed(held_out), reference)))
-        lock = TimingLock(spec["lock_file"])
-        with lock.held(), pinned(None, load["threads"]):
-            for r in range(spec["rounds"]):
-                for name, engine in engines.items():
-                    engine.start()
-                    try:
-                        texts = task.fresh_texts(HELD_OUT_SALT + 1 + r)  # each round new texts, both alike
-                        got = closed_loop(engine.submit, texts, concurrency=load["concurrency"],
-                                          duration_s=spec["duration_s"], warmup_s=load["warmup_s"])  # fmt: skip
-                    finally:
-                        engine.stop()
-                    out[name]["rounds"].append({"throughput": got.throughput, "p99_ms": got.p99_ms})
-    finally:
-        for engine in engines.values():
-            engine.close()
-    for name in engines:
-        rounds = out[name]["rounds"]
-        out[name]["throughput"] = float(np.median([r["throughput"] for r in rounds]))
-        out[name]["p99_ms"] = float(np.median([r["p99_ms"] for r in rounds]))
-    return out
+    def _settings(self, loads: int) -> EvalSettings:
+        """Limits that leave room for ``loads`` load rounds (and the builds and checks around them)."""
+        load = self.config.load
+        wall = 300.0 + 2 * loads * (load.warmup_s + max(load.duration_s, self.config.promote.duration_s) + 5)
+        sandbox = SandboxSettings(timeout=wall, cpu_seconds=int(wall * load.threads) + 60)
+        return EvalSettings(sandbox=sandbox)
 
+    def _evaluate(self, request: EvalRequest) -> EvalResult:
+        from runtime.pool import LocalPool
 
-if __name__ == "__main__":
-    kinds = {"profile": _profile, "duel": _duel}
-    if len(sys.argv) != 2 or sys.argv[1] not in kinds:
-        sys.exit(f"usage: python -m evo.factory.measure {{{','.join(kinds)}}} < spec.json")
-    print(json.dumps(kinds[sys.argv[1]](json.load(sys.stdin))))
+        if self._pool is None:
+            private_dir(self.cache_dir)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._pool = LocalPool(workers=1, log_dir=str(self.log_dir))
+        self._pool.submit(request)
+        got = self._pool.next_result(request.settings.sandbox.timeout + 60)
+        if got is None:  # the pool kills a worker past its limit and answers: this is the pool failing
+            return EvalResult(status=Status.TIMEOUT, error="the measurement's worker did not answer")
+        return got[1]

@@ -37,8 +37,9 @@ import yaml
 from evo.errors import UserError
 from evo.factory.config import FactoryConfig
 from evo.factory.kernels import engine_run_config, kernel_run_config
-from evo.factory.measure import measure
+from evo.factory.measure import Measurer
 from evo.factory.plan import Plan, make_plan
+from runtime.result import Status
 from runtime.sandbox import private_dir
 
 __all__ = ["Factory", "read_events", "read_promotions"]
@@ -84,6 +85,11 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _failure(result: Any) -> str:
+    """A failed measurement's status and error, in a line or a few (a candidate's own output included)."""
+    return f"{result.status}: {(result.error or '').strip()[-1500:]}"
+
+
 def read_promotions(factory_dir: Path) -> list[dict[str, Any]]:
     """Every promotion of the factory in ``factory_dir``, oldest first."""
     return _read_jsonl(factory_dir / "promotions.jsonl")
@@ -100,6 +106,7 @@ class Factory:
     def __init__(self, config: FactoryConfig, path: Path, *, note: Callable[[str], None] = print) -> None:
         # absolute: promotions name their runs by path, for a server started anywhere
         self.config, self.path, self.note = config, path.resolve(), note
+        self.measurer = Measurer(self.path, config)
 
     @classmethod
     def create(cls, config: FactoryConfig, path: Path, **kw: Any) -> Factory:
@@ -126,19 +133,28 @@ class Factory:
     # --- the rounds -------------------------------------------------------------------------------
 
     def run(self) -> None:
-        for n in range(1, self.config.budget.rounds + 1):
-            self.note(f"round {n} of {self.config.budget.rounds}")
-            profile = self._profile(n)
-            plan = self._plan(n, profile)
-            engine_run = self._searches(n, plan)
-            self._duel(n, engine_run)
+        try:
+            for n in range(1, self.config.budget.rounds + 1):
+                self.note(f"round {n} of {self.config.budget.rounds}")
+                profile = self._profile(n)
+                plan = self._plan(n, profile)
+                engine_run = self._searches(n, plan)
+                self._duel(n, engine_run)
+        finally:
+            self.measurer.close()
 
     def _profile(self, n: int) -> dict[str, Any]:
         path = self.path / "profiles" / f"round-{n}.json"
         if path.exists():
             return json.loads(path.read_text())
         incumbent = self.incumbent()
-        got = measure("profile", {**self._spec(), "engine": incumbent})
+        result = self.measurer.profile(incumbent)
+        if result.status != Status.OK and incumbent is not None:  # the default engine's, to plan by
+            self._event("not profiled", round=n, engine=incumbent, why=_failure(result))
+            incumbent, result = None, self.measurer.profile(None)
+        if result.status != Status.OK:
+            raise RuntimeError(f"the default engine could not be profiled: {_failure(result)}")
+        got = result.metrics["profile"]
         self._write(path, got)
         top = ", ".join(f"{k} {v:.0%}" for k, v in sorted(got["shares"].items(), key=lambda kv: -kv[1])[:5])
         self._event("profiled", round=n, engine=incumbent, why=f"where the time goes: {top}")
@@ -276,32 +292,46 @@ class Factory:
         candidate = {"run_dir": str(engine_run), "elite": ids[0]}
         incumbent = self.incumbent()
         p = self.config.promote
-        got = measure("duel", {**self._spec(), "candidate": candidate, "incumbent": incumbent,
-                               "held_out_texts": p.held_out_texts, "rounds": p.rounds, "duration_s": p.duration_s,
-                               "lock_file": self._lock_file()})  # fmt: skip
-        c, i = got["candidate"], got["incumbent"]
-        gain = c["throughput"] / i["throughput"] - 1 if i["throughput"] else float("inf")
+        self.note(f"duel round {n}: {ids[0][:12]} against the {'incumbent' if incumbent else 'default engine'}")
+        result = self.measurer.duel(candidate, incumbent)
+        m = result.metrics
+        c: dict[str, Any] = {k: m[k] for k in ("similarity", "throughput", "p99_ms", "rounds") if k in m}
+        i: dict[str, Any] = {k: m[f"rival_{k}"] for k in ("similarity", "throughput", "p99_ms", "rounds")
+                             if f"rival_{k}" in m}  # fmt: skip
         budget = self.config.load.p99_budget_ms
-        if c["similarity"] < p.similarity_floor:
-            why = f"min cosine {c['similarity']:.5f} on held-out texts is under the floor {p.similarity_floor}"
+        gain = c["throughput"] / i["throughput"] - 1 if i.get("throughput") else float("inf")
+        if result.status != Status.OK:
+            if "similarity" in result.metrics and result.status == Status.WRONG:
+                why = f"min cosine {m['similarity']:.5f} on held-out texts is under the floor {p.similarity_floor}"
+            else:
+                why = f"the candidate lost its duel: {_failure(result)}"
         elif c["p99_ms"] > budget:
             why = f"p99 {c['p99_ms']:.1f} ms is over the budget {budget:g} ms"
+        elif m.get("rival_failed"):
+            why = ""  # the incumbent broke a rule: the candidate, which held every one, replaces it
         elif gain <= p.min_gain:
             why = f"{c['throughput']:.1f} sentences/s against the incumbent's {i['throughput']:.1f} ({gain:+.1%})"
         else:
             why = ""
         promoted = not why
+        if promoted and m.get("rival_failed"):
+            reason = f"the incumbent failed its duel ({m['rival_failed'][:300]}); p99 {c['p99_ms']:.1f} ms"
+        elif promoted:
+            reason = (f"{gain:+.1%} against the incumbent side by side, p99 {c['p99_ms']:.1f} ms, min cosine "
+                      f"{c['similarity']:.5f} on {p.held_out_texts} held-out texts")  # fmt: skip
+        else:
+            reason = why
         record = {"round": n, "promoted": promoted, "engines": {"candidate": candidate, "incumbent": incumbent},
-                  "figures": got, "gain": gain,
-                  "why": why or f"{gain:+.1%} against the incumbent side by side, p99 {c['p99_ms']:.1f} ms, "
-                                f"min cosine {c['similarity']:.5f} on {p.held_out_texts} held-out texts"}  # fmt: skip
+                  "figures": {"candidate": c, "incumbent": i}, "gain": gain if i.get("throughput") else None,
+                  "status": str(result.status), "why": reason}  # fmt: skip
         self._write(path, record)
         if promoted:
             entry = {"round": n, "run_dir": str(engine_run), "elite": ids[0], "throughput": c["throughput"],
-                     "p99_ms": c["p99_ms"], "similarity": c["similarity"], "gain": gain, "at": time.time()}  # fmt: skip
+                     "p99_ms": c["p99_ms"], "similarity": c["similarity"], "gain": record["gain"],
+                     "at": time.time()}  # fmt: skip
             with (self.path / "promotions.jsonl").open("a") as f:
                 f.write(json.dumps(entry) + "\n")
-        self._event("promoted" if promoted else "not promoted", round=n, engine=candidate, why=record["why"])
+        self._event("promoted" if promoted else "not promoted", round=n, engine=candidate, why=reason)
 
     # --- helpers ------------------------------------------------------------------------------------
 
@@ -317,10 +347,6 @@ class Factory:
         return sorted(p.name for p in runs.iterdir()
                       if (p / "archive.db").exists() and not p.name.startswith("engine-"))  # fmt: skip
 
-    def _spec(self) -> dict[str, Any]:
-        return {"model_dir": self.config.model_dir, "load": self.config.load.model_dump(mode="json"),
-                "seed": self.config.seed}  # fmt: skip
-
     def _model_config(self) -> Any:
         from runtime.engine.model import ModelLoadError, default_model_dir, read_config
 
@@ -328,11 +354,6 @@ class Factory:
             return read_config(Path(self.config.model_dir) if self.config.model_dir else default_model_dir())
         except (ModelLoadError, RuntimeError) as exc:
             raise UserError(f"model_dir: {exc}") from None
-
-    def _lock_file(self) -> str:
-        from runtime.settings import EvalSettings
-
-        return EvalSettings().timing.lock_file
 
     def _start(self, config: Path, run_dir: Path, *, max_evals: int, confirm: bool = True) -> _Search:
         """``evo run`` of ``config`` in ``run_dir`` (resumed if it exists) up to ``max_evals``, started."""

@@ -13,9 +13,10 @@ result itself; a backend supplies the work of each stage and nothing else:
    lock; gives the fitness and ``vs_reference``.
 5. **confirm** (:meth:`Program.confirm`): checked again on fresh inputs when the speed-up is implausible.
 
-Two further request stages are optional, declared by the program's type: ``run`` (one call on the
-caller's inputs, :class:`RunsGivenInputs`) and ``duel`` (timed side by side with a rival,
-:class:`Duels`). A stage a backend does not offer is refused with :class:`UnsupportedStage`.
+Three further request stages are optional, declared by the program's type: ``run`` (one call on the
+caller's inputs, :class:`RunsGivenInputs`), ``duel`` (timed side by side with a rival, :class:`Duels`)
+and ``profile`` (where its time goes, :class:`Profiles`). A stage a backend does not offer is refused
+with :class:`UnsupportedStage`.
 
 Every stage ends the candidate by raising :class:`Failure` with a :class:`runtime.result.Status`.
 On the controller side a backend says whether this machine can evaluate it (:meth:`Backend.preflight`),
@@ -53,6 +54,7 @@ __all__ = [
     "Failure",
     "Measurement",
     "Outputs",
+    "Profiles",
     "Program",
     "RivalFailure",
     "RunsGivenInputs",
@@ -61,7 +63,7 @@ __all__ = [
     "WorkerContext",
 ]
 
-Stage = Literal["compile", "check", "full", "run", "duel"]
+Stage = Literal["compile", "check", "full", "run", "duel", "profile"]
 """How far an evaluation goes (see :class:`runtime.executor.EvalRequest`)."""
 STAGES: tuple[Stage, ...] = get_args(Stage)
 _CORE_STAGES: frozenset[Stage] = frozenset({"compile", "check", "full"})
@@ -233,6 +235,15 @@ class RunsGivenInputs(abc.ABC):
         within tolerance). Breaking a rule raises :class:`Failure` as usual."""
 
 
+class Profiles(abc.ABC):
+    """A program that can say where its time goes (stage ``profile``: the factory plans its searches by it)."""
+
+    @abc.abstractmethod
+    def profile(self) -> Measurement:
+        """Checks this candidate, then measures where its time goes on the task's texts, pinned and under the lock;
+        the metrics hold ``profile`` (:meth:`runtime.engine.profile.Profile.to_dict`). The fitness is ``None``."""
+
+
 class Duels(abc.ABC):
     """A program that can be timed side by side with a rival of the same task (stage ``duel``)."""
 
@@ -262,6 +273,8 @@ class Backend(abc.ABC, Generic[T]):
             extra.add("run")
         if issubclass(self.program, Duels):
             extra.add("duel")
+        if issubclass(self.program, Profiles):
+            extra.add("profile")
         return _CORE_STAGES | extra
 
     def supports(self, stage: str) -> bool:

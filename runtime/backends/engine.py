@@ -40,7 +40,9 @@ from runtime.backends.base import (
     Duels,
     Failure,
     Measurement,
+    Profiles,
     Program,
+    RivalFailure,
     WorkerContext,
 )
 from runtime.engine.engine import EngineConfig
@@ -55,6 +57,7 @@ from runtime.engine.hosted import (
     statm_mb,
 )
 from runtime.engine.load import LoadResult, closed_loop
+from runtime.engine.profile import assemble, check_forward
 from runtime.engine.task import EngineTask, cosines
 from runtime.host import HostDied
 from runtime.result import Status
@@ -62,9 +65,8 @@ from runtime.settings import EvalSettings
 from runtime.timing import pinned
 from runtime.toolchain.cc import CompileError, CompilerNotFound, compiler_version
 
-__all__ = ["DUEL_ROUNDS", "EngineBackend", "EngineProgram", "Loaded", "measure"]
+__all__ = ["EngineBackend", "EngineProgram", "Loaded", "measure"]
 
-DUEL_ROUNDS = 2
 _VERIFIED = 32  # answers of each load checked against the fp32 engine, chosen once it is over
 
 
@@ -79,8 +81,9 @@ class Loaded:
     answers: list[tuple[str, Future[Any]]]
 
 
-def measure(engine: HostedEngine, task: EngineTask, cores: set[int] | None = None) -> Loaded:
-    """Starts ``engine`` (its processes on ``cores``), runs the task's load on new texts, then stops it."""
+def measure(engine: HostedEngine, task: EngineTask, cores: set[int] | None = None, salt: int | None = None) -> Loaded:
+    """Starts ``engine`` (its processes on ``cores``), runs the task's load on new texts (drawn from ``salt``,
+    default a fresh one), then stops it."""
     a = task.args
     if cores is not None:
         pin(engine.process.tree(), cores)
@@ -93,8 +96,9 @@ def measure(engine: HostedEngine, task: EngineTask, cores: set[int] | None = Non
 
     engine.start()
     try:
-        result = closed_loop(submit, task.fresh_texts(secrets.randbits(63)), concurrency=a.concurrency,
-                             duration_s=a.duration_s, warmup_s=a.warmup_s)  # fmt: skip
+        texts = task.fresh_texts(secrets.randbits(63) if salt is None else salt)
+        result = closed_loop(submit, texts, concurrency=a.concurrency, duration_s=a.duration_s,
+                             warmup_s=a.warmup_s)  # fmt: skip
         memory = statm_mb(engine.process.tree(), task.model().nbytes())
         batches = engine.batches
     finally:
@@ -126,7 +130,7 @@ class _Reference:
 
 
 @dataclass
-class EngineProgram(Program, Duels):
+class EngineProgram(Program, Duels, Profiles):
     """A built engine, in its host (its kernels loaded), not started."""
 
     task: EngineTask
@@ -172,10 +176,10 @@ class EngineProgram(Program, Duels):
                           f"new texts is under the floor {floor:g}", metrics={"load_similarity": cosine})  # fmt: skip
         return time.perf_counter() - t0
 
-    def _load(self, engine: HostedEngine, cores: set[int]) -> Loaded:
+    def _load(self, engine: HostedEngine, cores: set[int], salt: int | None = None) -> Loaded:
         """``engine``'s load, every other engine process of this worker stopped meanwhile."""
         with _host_failures(), frozen(lambda: self.backend.others(engine)):
-            return measure(engine, self.task, cores)
+            return measure(engine, self.task, cores, salt)
 
     def check(self, trials: int) -> dict[str, Any]:
         metrics = self._similarity()[0]
@@ -218,31 +222,79 @@ class EngineProgram(Program, Duels):
         self._similarity()
 
     def duel(self, open_rival: Callable[[], Program]) -> Measurement:
-        """The similarity check, then the rival's engine is built and the load runs on each engine in turn,
-        ``DUEL_ROUNDS`` rounds each under the lock (the other one stopped); ``duel_ratio`` is the median
-        throughput over the rival's. The fitness is ``None`` when the median p99 is over the budget."""
+        """The similarity check of both engines, then the load on each in turn, ``duel_rounds`` rounds each under
+        the lock (the other one stopped; both on the same new texts each round), then both engines' answers
+        checked against the fp32 engine. ``duel_ratio`` is the median throughput over the rival's. The fitness
+        is ``None`` when the median p99 is over the budget. A rival under the floor, or dying, is
+        :class:`RivalFailure`: both are held to the reference, never one to the other."""
         similarity, check_s = self._similarity()
         rival = open_rival()
         assert isinstance(rival, EngineProgram)
+        failed: RivalFailure | None = None  # the challenger's figures are measured still: the verdict needs them
+        rival_similarity: dict[str, Any] = {}
+        try:
+            with RivalFailure.blame():
+                rival_similarity, rival_check_s = rival._similarity()
+                check_s += rival_check_s
+        except RivalFailure as exc:
+            failed = exc
         mine: list[Loaded] = []
         theirs: list[Loaded] = []
         t0 = time.perf_counter()
         with self.ctx.lock.held() as waited, pinned(self.settings.timing.core, self.task.cores) as cores:  # type: ignore[union-attr]
-            for _ in range(DUEL_ROUNDS):
-                for e, out in ((self.engine, mine), (rival.engine, theirs)):
-                    out.append(self._load(e, cores))
+            for _ in range(self.task.args.duel_rounds):
+                salt = secrets.randbits(63)
+                mine.append(self._load(self.engine, cores, salt))
+                if failed is None:
+                    try:
+                        with RivalFailure.blame():
+                            theirs.append(self._load(rival.engine, cores, salt))
+                    except RivalFailure as exc:
+                        failed = exc
         spent = time.perf_counter() - t0 - waited
         verify_s = self._verify(mine)
+        if failed is None:
+            try:
+                with RivalFailure.blame():
+                    verify_s += rival._verify(theirs)
+            except RivalFailure as exc:
+                failed = exc
         self.calls_s += spent
         throughput = float(np.median([x.result.throughput for x in mine]))
-        rival_throughput = float(np.median([x.result.throughput for x in theirs]))
         p99 = float(np.median([x.result.p99_ms for x in mine]))
-        metrics = {**similarity, "duel_ratio": throughput / rival_throughput if rival_throughput else float("inf"),
-                   "throughput": throughput, "p99_ms": p99, "rival_throughput": rival_throughput,
-                   "duel_rounds": DUEL_ROUNDS}  # fmt: skip
+        metrics: dict[str, Any] = {**similarity, "throughput": throughput, "p99_ms": p99, "duel_rounds": len(mine),
+                                   "rounds": [_round(x) for x in mine]}  # fmt: skip
+        timings = {"check_s": check_s, "lock_wait_s": waited, "time_s": spent, "verify_s": verify_s}
+        if failed is not None:
+            raise RivalFailure(failed.status, str(failed), metrics=metrics, timings=timings)
+        rival_throughput = float(np.median([x.result.throughput for x in theirs]))
+        metrics.update(duel_ratio=throughput / rival_throughput if rival_throughput else float("inf"),
+                       rival_throughput=rival_throughput, rival_similarity=rival_similarity["similarity"],
+                       rival_p99_ms=float(np.median([x.result.p99_ms for x in theirs])),
+                       rival_rounds=[_round(x) for x in theirs])  # fmt: skip
         fitness = None if p99 > self.task.args.p99_budget_ms else throughput
-        return Measurement(fitness, metrics,
-                           {"check_s": check_s, "lock_wait_s": waited, "time_s": spent, "verify_s": verify_s})
+        return Measurement(fitness, metrics, timings)
+
+    def profile(self) -> Measurement:
+        """Where the engine's time goes on the task's fixed texts (:mod:`runtime.engine.profile`): tokenised here,
+        run in its host with every operator timed there, the wall time measured here around it, pinned to the
+        task's cores under the lock. Parts that add up to more than that wall time are ``invalid``."""
+        texts = self.task.texts()
+        t0 = time.perf_counter()
+        seqs = self.engine.model.tokenizer.encode_batch(list(texts))
+        tokenize_s = time.perf_counter() - t0
+        with self.ctx.lock.held() as waited, pinned(self.settings.timing.core, self.task.cores) as cores:  # type: ignore[union-attr]
+            pin(self.engine.process.tree(), cores)
+            with _host_failures(), frozen(lambda: self.backend.others(self.engine)):
+                t1 = time.perf_counter()
+                forward = self.engine.process.profile(seqs)
+                wall_s = time.perf_counter() - t1
+        self.calls_s += wall_s
+        why = check_forward(forward, wall_s)
+        if why is not None:
+            raise Failure(Status.INVALID, f"the engine's process misreported its profile: {why}")
+        found = assemble(seqs, tokenize_s, forward, wall_s)
+        return Measurement(None, {"profile": found.to_dict()}, {"lock_wait_s": waited, "time_s": wall_s})
 
     def close(self) -> None:
         if not self._closed:
@@ -352,6 +404,10 @@ class EngineBackend(Backend[EngineTask]):
         except EngineBuildFailed as exc:  # e.g. a library without the kernel function
             raise Failure(Status.COMPILE_ERROR, str(exc)) from None
         return EngineProgram(task, engine, build.artifact, settings, ctx, self.reference_of(task), self)
+
+
+def _round(loaded: Loaded) -> dict[str, float]:
+    return {"throughput": loaded.result.throughput, "p99_ms": loaded.result.p99_ms}
 
 
 def _lengths(seqs: list[np.ndarray]) -> np.ndarray:

@@ -16,8 +16,9 @@ A host:
   (but an unnamed local pair for its workers), signals, exec, writes to files and new code are not;
   once the kernels are loaded and have run once, no executable mapping at all;
 - answers over :mod:`runtime.engine.wire`: ``B`` a batch of token ids, answered ``O`` (embeddings) or
-  ``X`` (the error); ``S`` starts its workers (answered ``S`` with what runs); ``T`` stops them once
-  the batches in flight are done; ``Q`` or a closed socket ends it.
+  ``X`` (the error); ``P`` sequences to profile in batches (answered ``P`` with the operators' times,
+  JSON); ``S`` starts its workers (answered ``S`` with what runs); ``T`` stops them once the batches in
+  flight are done; ``Q`` or a closed socket ends it.
 
 Batching, tokenising and every clock stay with the caller.
 """
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from runtime.engine.profile import time_forward
 from runtime.engine.wire import decode_batch, encode_result, read_frame, write_frame
 
 if TYPE_CHECKING:
@@ -136,6 +138,13 @@ def serve(sock: socket.socket, engine: Engine) -> None:
                 run(forward, batch_id, seqs)
             else:
                 pool.submit(run, forward, batch_id, seqs)
+        elif kind == b"P" and pool is None:  # a profile: the batches' forward passes, every operator timed
+            step, seqs = decode_batch(payload)
+            try:
+                answer = time_forward(engine, seqs, step or None)
+            except BaseException:  # noqa: BLE001 - the caller fails the profile with it
+                answer = {"error": traceback.format_exc()[-4000:]}
+            reply(b"P", json.dumps(answer).encode())
         elif kind == b"S" and pool is None:
             started = engine.start_workers()
             forward = started  # type: ignore[assignment]

@@ -261,6 +261,22 @@ class EngineProcess:
             raise HostDied(f"the engine's process answered {out.shape[0]} embeddings for {len(seqs)} texts", None)
         return out
 
+    def profile(self, seqs: Sequence[np.ndarray], batch: int = 0, timeout: float = _READY_S) -> dict[str, Any]:
+        """The operators' times of ``seqs``' forward passes in batches of ``batch`` (0: the engine's
+        ``max_batch``), as the host measured them (:func:`runtime.engine.profile.time_forward`); not started."""
+        with self._ask:
+            self._post(b"P", encode_batch(batch, seqs))
+            payload = self._answer(b"P", timeout)
+        try:
+            answer = json.loads(payload)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise HostDied("the engine's process answered a profile that is not JSON", None)
+        if "error" in answer:
+            raise RuntimeError(f"the engine failed:\n{answer['error']}")
+        return answer
+
     def start(self) -> dict[str, Any]:
         """Starts the host's workers; returns ``workers``, ``blas_threads`` and ``kind`` as they run."""
         with self._ask:

@@ -1,9 +1,12 @@
 """Where an engine's time goes: each operator slot, each GEMM shape, the attention's batched matmuls,
 tokenisation, and the Python between them.
 
-The profile runs the engine's own forward pass, in this thread, on batches like the load's, with every
-operator of its table wrapped in a timer (:func:`profile_engine`). What a slot could save is its share:
-a search for a slot's kernel is worth the time the slot takes, not the slot's size.
+The profile runs the engine's own forward pass on batches like the load's, with every operator of its
+table wrapped in a timer (:func:`time_forward`), in the engine's own process: a host, for an engine with
+evolved kernels (:mod:`runtime.backends.engine`'s ``profile`` stage). The caller tokenises and measures
+the wall time around it; the parts the host reports may not add up to more (:func:`check_forward`). What
+a slot could save is its share: a search for a slot's kernel is worth the time the slot takes, not the
+slot's size.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import numpy as np
 from runtime.engine.engine import Engine
 from runtime.engine.ops import SLOTS, Ops
 
-__all__ = ["Profile", "profile_engine"]
+__all__ = ["Profile", "assemble", "check_forward", "profile_engine", "time_forward"]
 
 
 @dataclass
@@ -84,25 +87,66 @@ def _timed_ops(ops: Ops, clock: _Clock, gemms: _Clock) -> Ops:
     return replace(ops, **timed, kernels={})
 
 
-def profile_engine(engine: Engine, texts: Sequence[str], *, batch: int | None = None) -> Profile:
-    """The profile of ``engine`` embedding ``texts`` (in batches of ``batch``, default its ``max_batch``), run in
-    this thread with its own operators and settings (packing, bucketing)."""
+def time_forward(engine: Engine, seqs: Sequence[np.ndarray], batch: int | None = None) -> dict[str, Any]:
+    """Runs ``seqs`` (token ids) through ``engine``'s forward pass in batches of ``batch`` (default its
+    ``max_batch``), shortest first as :meth:`Engine.embed` batches them, with every operator timed; in the
+    engine's own process. Returns the seconds by slot, by GEMM shape and in attention, the whole forward
+    passes' (``forward_s``) and the batch count."""
     clock, gemms = _Clock(), _Clock()
-    timed = _timed_ops(engine.ops, clock, gemms)
-    probe = Engine(engine.model, timed, engine.config)
+    probe = Engine(engine.model, _timed_ops(engine.ops, clock, gemms), engine.config)
     step = batch or engine.config.max_batch
-    t0 = time.perf_counter()
-    seqs = engine.model.tokenizer.encode_batch(list(texts))
-    tokenize = time.perf_counter() - t0
+    order = np.argsort([len(s) for s in seqs], kind="stable")
     batches = 0
-    order = np.argsort([len(s) for s in seqs], kind="stable")  # as Engine.embed batches them
+    t0 = time.perf_counter()
     for i in range(0, len(order), step):
         probe.run_batch([seqs[j] for j in order[i : i + step]])
         batches += 1
-    total = time.perf_counter() - t0
+    forward = time.perf_counter() - t0
     attention = clock.seconds.pop("attention", 0.0)
-    slots = {slot: clock.seconds.get(slot, 0.0) for slot in SLOTS}
-    other = max(0.0, total - tokenize - attention - sum(slots.values()))
-    return Profile(texts=len(seqs), tokens=int(sum(len(s) for s in seqs)), batches=batches, total_s=total,
-                   tokenize_s=tokenize, slots=slots, gemms=dict(gemms.seconds), attention_s=attention,
+    return {"slots": {slot: clock.seconds.get(slot, 0.0) for slot in SLOTS}, "gemms": dict(gemms.seconds),
+            "attention_s": attention, "forward_s": forward, "batches": batches}  # fmt: skip
+
+
+def assemble(seqs: Sequence[np.ndarray], tokenize_s: float, forward: dict[str, Any], wall_s: float) -> Profile:
+    """The profile of ``seqs`` from what the engine's process timed inside (``forward``: :func:`time_forward`)
+    and what its caller measured outside: the tokenising and the wall time of the forward passes. The total
+    is the caller's; the parts are the engine's, and may not add up to more than the caller measured (an
+    engine's process runs candidate code, and its own clock is no witness: see :func:`check_forward`)."""
+    slots = {slot: float(forward["slots"].get(slot, 0.0)) for slot in SLOTS}
+    attention = float(forward["attention_s"])
+    total = tokenize_s + wall_s
+    other = max(0.0, total - tokenize_s - attention - sum(slots.values()))
+    return Profile(texts=len(seqs), tokens=int(sum(len(s) for s in seqs)), batches=int(forward["batches"]),
+                   total_s=total, tokenize_s=tokenize_s, slots=slots,
+                   gemms={str(k): float(v) for k, v in forward["gemms"].items()}, attention_s=attention,
                    other_s=other)  # fmt: skip
+
+
+def check_forward(forward: dict[str, Any], wall_s: float, slack_s: float = 0.002) -> str | None:
+    """Why the parts an engine's process reports cannot be true (``None``: they can): each a finite, non-negative
+    number of seconds, together no more than the wall time its caller measured around them."""
+    try:
+        parts = [float(v) for v in forward["slots"].values()] + [float(forward["attention_s"])]
+        parts += [float(v) for v in forward["gemms"].values()]
+        claimed = float(forward["forward_s"])
+        int(forward["batches"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return "its profile is not a profile"
+    if not all(np.isfinite(p) and p >= 0 for p in [*parts, claimed]):
+        return "its profile holds a negative or non-finite time"
+    inside = sum(float(v) for v in forward["slots"].values()) + float(forward["attention_s"])
+    if inside > wall_s * 1.02 + slack_s or claimed > wall_s * 1.02 + slack_s:
+        return (f"its profile claims {max(inside, claimed) * 1e3:.1f} ms inside its operators, more than the "
+                f"{wall_s * 1e3:.1f} ms it took")  # fmt: skip
+    return None
+
+
+def profile_engine(engine: Engine, texts: Sequence[str], *, batch: int | None = None) -> Profile:
+    """The profile of ``engine`` embedding ``texts``, run in this thread with its own operators and settings
+    (packing, bucketing): for an engine whose code is trusted (the default numpy engine)."""
+    t0 = time.perf_counter()
+    seqs = engine.model.tokenizer.encode_batch(list(texts))
+    tokenize = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    forward = time_forward(engine, seqs, batch)
+    return assemble(seqs, tokenize, forward, time.perf_counter() - t1)

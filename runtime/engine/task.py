@@ -88,13 +88,13 @@ class EngineArgs(TaskArgs, ServingLoad):
         runs = self.kernels.get(slot, [])
         return runs if isinstance(runs, list) else [runs]
     seed: int = Field(0, description="seed of the request texts")
+    check_texts: int = Field(32, ge=1, description="texts the similarity check compares with the fp32 engine (the "
+                             "first fixed texts: at most `texts`)")
+    duel_rounds: int = Field(2, ge=1, description="load rounds of each engine in a duel, alternating")
     follow_every_s: float = Field(10.0, gt=0, description="how often the kernel runs marked `follow` are read "
                                   "for new elites during the search")
     model_dir: str | None = Field(None, description="a BERT sentence encoder's directory, in the sentence-transformers "
                                   "layout (default: the bundled all-MiniLM-L6-v2)")
-
-
-_CHECK_TEXTS = 32
 
 
 class EngineTask(Task):
@@ -301,7 +301,7 @@ class EngineTask(Task):
 
     def _reference_embeddings(self) -> np.ndarray:
         if self._reference is None:
-            self._reference = self.reference_embed(self.texts()[:_CHECK_TEXTS])
+            self._reference = self.reference_embed(self.texts()[: self.args.check_texts])
         return self._reference
 
     def reference_embed(self, texts: Sequence[str]) -> np.ndarray:
@@ -333,7 +333,7 @@ class EngineTask(Task):
 
     def similarity(self, engine: Engine) -> float:
         """Minimum cosine between ``engine``'s embeddings and the fp32 numpy engine's, over the check texts."""
-        got = engine.embed(self.texts()[:_CHECK_TEXTS])
+        got = engine.embed(self.texts()[: self.args.check_texts])
         return float(np.min(cosines(got, self._reference_embeddings())))
 
     def fallbacks(self, config: EngineConfig) -> dict[str, str]:

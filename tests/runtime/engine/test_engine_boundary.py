@@ -266,3 +266,39 @@ def test_a_load_never_sends_the_same_text_twice():
     drawn = [texts[k] for k in range(3000)]
     assert len(set(drawn)) == len(drawn) and texts[5] == drawn[5]
     assert FreshTexts(["a", "b"], {16: 1.0}, salt=8)[0] != FreshTexts(["a", "b"], {16: 1.0}, salt=9)[0]
+
+
+def test_a_rival_wrong_under_load_loses_its_duel_and_the_challenger_stands(tmp):
+    """Both engines of a duel are held to the fp32 engine: the incumbent's answers under load are checked as the
+    challenger's are (once its outputs were what the challenger was compared with)."""
+    import dataclasses
+
+    honest, cheat = engine_requests(tmp, [HONEST, WRONG_UNDER_LOAD], duel_rounds=1)
+    duel = dataclasses.replace(honest, stages="duel", rival=cheat.genome)
+    with LocalPool(workers=1, log_dir=str(tmp / "logs")) as pool:
+        res = evaluate_in_pool(pool, duel)
+        back = evaluate_in_pool(pool, dataclasses.replace(cheat, stages="duel", rival=honest.genome, key="back"))
+    assert res.status is Status.OK, res.error
+    assert res.metrics["rival_status"] == "wrong" and "under load" in res.metrics["rival_failed"], res.metrics
+    assert res.metrics["throughput"] > 0 and len(res.metrics["rounds"]) == 1  # the challenger's own figures
+    assert back.status is Status.WRONG and "under load" in back.error  # as a challenger it is wrong itself
+
+
+def test_an_engine_is_profiled_in_its_host_and_a_profile_beyond_its_wall_time_is_refused(tmp):
+    import dataclasses
+
+    from runtime.engine.profile import check_forward
+
+    (req,) = engine_requests(tmp, [HONEST])
+    with LocalPool(workers=1, log_dir=str(tmp / "logs")) as pool:
+        res = evaluate_in_pool(pool, dataclasses.replace(req, stages="profile"))
+    assert res.status is Status.OK, res.error
+    profile = res.metrics["profile"]
+    assert profile["slots"]["layernorm"] > 0 and profile["batches"] >= 1 and profile["tokens"] > 0
+    parts = sum(profile["slots"].values()) + profile["attention_s"] + profile["tokenize_s"] + profile["other_s"]
+    assert parts == pytest.approx(profile["total_s"])
+    honest = {"slots": {"gelu": 0.01}, "gemms": {}, "attention_s": 0.002, "forward_s": 0.02, "batches": 2}
+    assert check_forward(honest, wall_s=0.021) is None
+    assert "more than" in check_forward({**honest, "slots": {"gelu": 5.0}}, wall_s=0.021)
+    assert "negative" in check_forward({**honest, "attention_s": -1.0}, wall_s=0.021)
+    assert "not a profile" in check_forward({"slots": "lots"}, wall_s=0.021)
