@@ -98,6 +98,7 @@ def status(path: Path, as_json: bool) -> None:
     if not got["promotions"]:
         console.print("no engine promoted yet")
     for p in got["promotions"]:
-        against = "the incumbent failed its duel" if p.get("gain") is None else f"{p['gain']:+.1%} against the incumbent"
+        gain = p.get("gain")
+        against = "the incumbent failed its duel" if gain is None else f"{gain:+.1%} against the incumbent"
         console.print(f"round {p['round']}: promoted {p['elite'][:12]} of {p['run_dir']}: {p['throughput']:.1f} "
                       f"sentences/s ({against}), p99 {p['p99_ms']:.1f} ms")
