@@ -44,6 +44,14 @@ def cli() -> None:
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
 
 
+def warn_if_unfiltered() -> None:
+    """Says loudly, once, when candidate code would run without the system-call filter on this machine."""
+    from runtime import host
+
+    if not host.filter_available():
+        click.secho(f"WARNING: {host.UNFILTERED}", err=True, fg="red", bold=True)
+
+
 def _with_overrides(config: RunConfig, **kw: Any) -> RunConfig:
     budget = {k: v for k, v in (("max_evals", kw["max_evals"]), ("max_time", kw["max_time"])) if v is not None}
     search = {k: v for k, v in (("workers", kw["workers"]), ("seed", kw["seed"])) if v is not None}
@@ -79,6 +87,7 @@ def run(config_path: Path, run_dir: Path | None, resume: bool, no_confirm: bool,
     except CompilerNotFound as exc:
         raise UserError(str(exc)) from None
     require_backend(config, config_path)  # e.g. a CUDA task without a GPU: one line, and the fix
+    warn_if_unfiltered()
     path = run_dir or Path("runs") / (config.name or config_path.stem)
     if resume:
         rd = RunDir.open(path)

@@ -41,9 +41,11 @@ def factory() -> None:
 @click.option("--rounds", type=click.IntRange(min=1), help="rounds in all (more than it was started with)")
 def run(config_path: Path, path: Path | None, resume: bool, rounds: int | None) -> None:
     """Run the factory described by CONFIG (a YAML file)."""
+    from evo.cli import warn_if_unfiltered
     from evo.factory import Factory, load_factory_config
 
     config = load_factory_config(config_path)
+    warn_if_unfiltered()
     path = path or Path("factories") / (config.name or config_path.stem)
     if resume:
         fac = Factory.open(path, rounds=rounds, note=lambda m: click.echo(m, err=True))

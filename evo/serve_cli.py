@@ -42,6 +42,9 @@ def serve(run_dir: Path | None, follow: Path | None, elite: str, host: str, port
                         "pip install -c constraints.txt -e '.[serve,engine]'") from None
     if (run_dir is None) == (follow is None):
         raise UserError("give either RUN_DIR or --follow FACTORY_DIR (see evo serve --help)")
+    from evo.cli import warn_if_unfiltered
+
+    warn_if_unfiltered()
     try:
         code = run_server(run_dir, follow=follow, elite=elite, host=host, port=port, api_key_env=api_key_env,
                           limits=Limits(max_in_flight=max_in_flight), drain_timeout=drain_timeout,

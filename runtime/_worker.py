@@ -9,7 +9,6 @@ for each ``EvalRequest`` it receives, it sends back one ``EvalResult``. ``None``
 from __future__ import annotations
 
 import ctypes
-import importlib
 import os
 import signal
 import sys
@@ -23,20 +22,10 @@ from runtime.cascade import evaluate
 from runtime.hardware import fingerprint
 from runtime.host import make_undumpable
 from runtime.result import EvalResult, Status
-from runtime.sandbox import WorkerProfile, arm_cpu_limit, enter_sandbox
+from runtime.sandbox import WorkerProfile, arm_cpu_limit, enter_sandbox, preload_modules
 from runtime.settings import TaskSpec
 from runtime.task import Task, load_task_class
 from runtime.timing import TimingLock
-
-# Imported before the privilege drop: the interpreter's own files may not be readable by the sandbox
-# user (e.g. a pyenv Python under /root), so anything needed later must already be loaded.
-_PRELOAD = (
-    "numpy.random", "numpy.linalg", "numpy.fft", "ctypes", "_ctypes", "subprocess", "tempfile", "shutil",
-    "hashlib", "json", "math", "random", "bisect", "heapq", "struct", "pickle", "linecache", "tokenize",
-    "errno", "signal", "resource", "fcntl", "platform", "statistics", "decimal", "fractions", "datetime",
-    "functools", "itertools", "collections", "contextlib", "dataclasses", "copy", "textwrap", "re",
-    "encodings.idna", "encodings.latin_1", "encodings.ascii", "unicodedata", "zlib", "binascii",
-)  # fmt: skip
 
 _PR_SET_PDEATHSIG = 1
 
@@ -73,11 +62,7 @@ def _internal_error(ctx: WorkerContext | None) -> EvalResult:
 def _prepare(init: dict[str, Any], tasks: _Tasks) -> WorkerContext:
     profile: WorkerProfile = init["profile"]
     _add_paths(profile.sys_path)
-    for name in _PRELOAD:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
+    preload_modules()
     prepared = []
     for spec in profile.preload:
         try:

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["CandidateHost", "HostDied", "HostLauncher", "build_host", "compiled_filters", "encode_args",
-           "filter_available", "forward_output", "make_undumpable", "spawn_host"]  # fmt: skip
+           "filter_available", "forward_output", "make_undumpable", "spawn_host", "UNFILTERED"]  # fmt: skip
 
 _PR_SET_DUMPABLE = 4
 _CPUCLOCK_SCHED = 2
@@ -65,6 +65,11 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 def make_undumpable() -> None:
     """No process of the same user may read this one's memory or trace it from now on."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+UNFILTERED = ("no system-call filter on this machine (libseccomp or its Python bindings, pyseccomp, do not load): "
+              "candidate code runs UNFILTERED, with every system call open to it; fix: apt-get install libseccomp2 "
+              "and pip install pyseccomp")
 
 
 def filter_available() -> bool:
@@ -148,9 +153,9 @@ def spawn_host(executable: int, argv: Sequence[str], fds: Sequence[int], output:
     return os.posix_spawn(f"/proc/self/fd/{3 + len(fds)}", list(argv), os.environ, file_actions=actions)
 
 
-def forward_output(path: str, header: str, limit: int = 64 << 10) -> None:
-    """Appends what a host printed (its file ``path``, the last ``limit`` bytes) to this process's stdout (the
-    worker's log), under ``header``, and removes the file."""
+def forward_output(path: str, header: str, limit: int = 64 << 10, to: int = 1) -> None:
+    """Appends what a host printed (its file ``path``, the last ``limit`` bytes) to this process's descriptor
+    ``to`` (stdout: the worker's log), under ``header``, and removes the file."""
     with contextlib.suppress(OSError):
         with open(path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
@@ -159,7 +164,8 @@ def forward_output(path: str, header: str, limit: int = 64 << 10) -> None:
         if data:
             cut = f"[{size - len(data)} bytes cut]\n".encode() if size > len(data) else b""
             sys.stdout.flush()
-            os.write(1, f"--- {header} ---\n".encode() + cut + data + (b"" if data.endswith(b"\n") else b"\n"))
+            sys.stderr.flush()
+            os.write(to, f"--- {header} ---\n".encode() + cut + data + (b"" if data.endswith(b"\n") else b"\n"))
     with contextlib.suppress(OSError):
         os.unlink(path)
 
@@ -182,8 +188,7 @@ class HostLauncher:
         self._calibration: CandidateHost | None = None
         self.filters = compiled_filters()
         if self.filters is None:
-            print("evoforge: libseccomp not found: candidate processes run without a system-call filter "
-                  "(fix: apt-get install libseccomp2)", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"evoforge: {UNFILTERED}", file=sys.stderr, flush=True)
 
     def _start(self, name: str, lib: int | None, threads: int, cpu_seconds: int | None) -> CandidateHost:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

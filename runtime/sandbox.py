@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import pickle
 import pwd
@@ -47,6 +48,7 @@ __all__ = [
     "enter_sandbox",
     "group_members",
     "kill_group",
+    "preload_modules",
     "private_dir",
     "sandbox_ids",
     "scrubbed_env",
@@ -97,6 +99,24 @@ def private_dir(path: str | os.PathLike[str]) -> None:
 
 # --- worker side --------------------------------------------------------------------------------
 
+# Imported before the privilege drop: the interpreter's own files may not be readable by the sandbox
+# user (e.g. a pyenv Python under /root), so anything needed later must already be loaded.
+PRELOAD = (
+    "numpy.random", "numpy.linalg", "numpy.fft", "ctypes", "_ctypes", "subprocess", "tempfile", "shutil",
+    "hashlib", "json", "math", "random", "bisect", "heapq", "struct", "pickle", "linecache", "tokenize",
+    "errno", "signal", "resource", "fcntl", "platform", "statistics", "decimal", "fractions", "datetime",
+    "functools", "itertools", "collections", "contextlib", "dataclasses", "copy", "textwrap", "re",
+    "encodings.idna", "encodings.latin_1", "encodings.ascii", "unicodedata", "zlib", "binascii",
+)  # fmt: skip
+
+
+def preload_modules(extra: Iterable[str] = ()) -> None:
+    """Imports :data:`PRELOAD` and ``extra`` (those that exist), before a drop of privileges."""
+    for name in (*PRELOAD, *extra):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
 
 def _threads_of(uid: int) -> int:
     """Tasks (threads) whose real uid is ``uid``: what RLIMIT_NPROC counts."""
@@ -114,8 +134,9 @@ def _threads_of(uid: int) -> int:
     return total
 
 
-def enter_sandbox(limits: SandboxSettings, ids: tuple[int, int] | None) -> None:
-    """Sets the worker's resource limits, then drops to ``ids`` (when given). Irreversible."""
+def enter_sandbox(limits: SandboxSettings, ids: tuple[int, int] | None, *, cpu_limit: bool = True) -> None:
+    """Sets the resource limits (the CPU time one too, unless ``cpu_limit`` is false: a server's engine runs for
+    as long as it serves), then drops to ``ids`` (when given). Irreversible."""
     mem = limits.memory_mb * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
@@ -126,7 +147,8 @@ def enter_sandbox(limits: SandboxSettings, ids: tuple[int, int] | None) -> None:
     uid = ids[0] if ids else os.getuid()
     nproc = _threads_of(uid) + limits.max_processes
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    arm_cpu_limit(limits.cpu_seconds)
+    if cpu_limit:
+        arm_cpu_limit(limits.cpu_seconds)
     if ids is not None:
         os.setgroups([])
         os.setresgid(ids[1], ids[1], ids[1])

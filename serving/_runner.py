@@ -125,7 +125,8 @@ class EngineHost:
 
         The engine's kernels run in a host process of their own (:func:`runtime.engine.hosted.spawn_host`),
         started from a fresh interpreter whose environment holds no key: nothing of this process's memory
-        is in it. Tokenising, batching and the timings stay here."""
+        is in it, and it drops to the sandbox user. Each kernel must load as the library its elite was
+        measured with. Tokenising, batching and the timings stay here."""
         from archive import read_run
         from runtime.engine import EngineConfig, RunNotFound, elite_task, load_model
         from runtime.engine.hosted import spawn_host
@@ -140,10 +141,12 @@ class EngineHost:
             try:
                 with read_run(self.run_dir) as run:
                     task, config, compiler, cache_dir = elite_task(run, eid, runs=read_run, model=self.model)
+                    measured = run.stored(eid).metrics.get("kernel_sha256")  # the libraries it was measured with
             except RunNotFound as exc:
                 raise ServeError(str(exc)) from None
             spec = {"task": {"name": task.name, "args": task.args.model_dump(mode="json")},
-                    "compiler": compiler.model_dump(mode="json"), "cache_dir": cache_dir}
+                    "compiler": compiler.model_dump(mode="json"), "cache_dir": cache_dir,
+                    "kernel_sha256": measured if isinstance(measured, dict) else None}  # fmt: skip
         engine = spawn_host(self.model, config, {**spec, "model_dir": str(self.model.path)})
         runner = EngineRunner(engine, Served(eid, str(self.run_dir), note), self.metrics)
         try:

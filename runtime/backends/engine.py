@@ -332,10 +332,12 @@ class EngineBackend(Backend[EngineTask]):
             found = self._templates[key] = EngineTemplate(task.model(), keep)
         return found
 
-    def spawn(self, task: EngineTask, config: EngineConfig, settings: EvalSettings, ctx: WorkerContext) -> HostedEngine:
-        """A host with ``config``'s engine built, its kernels loaded (compiled into the cache already)."""
+    def spawn(self, task: EngineTask, config: EngineConfig, settings: EvalSettings, ctx: WorkerContext,
+              built: dict[str, str] | None = None) -> HostedEngine:  # fmt: skip
+        """A host with ``config``'s engine built, its kernels loaded (compiled into the cache already: each must be
+        the library ``built`` names)."""
         template = self.template(task, ctx)
-        engine = template.spawn(config, task.kernel_sources(config), compiler=settings.compiler,
+        engine = template.spawn(config, task.kernel_sources(config, built), compiler=settings.compiler,
                                 cache_dir=ctx.cache_dir, cpu_seconds=settings.sandbox.cpu_seconds)  # fmt: skip
         self._live.add(engine)
         return engine
@@ -367,17 +369,10 @@ class EngineBackend(Backend[EngineTask]):
     def prepare_worker(self, task: EngineTask) -> None:
         """Loads the task's model, texts and kernel sources, and makes one round trip through a process
         worker, so that the hosts' forked workers and their loop have what they import."""
-        import threadpoolctl  # noqa: F401
-
-        import runtime.engine.host  # noqa: F401
-        from runtime.engine.workers import ProcessWorkers
+        from runtime.engine.workers import prime_engine_process
 
         task.prime()
-        workers = ProcessWorkers(_lengths, 1)
-        try:
-            workers([np.zeros(3, np.int32)])
-        finally:
-            workers.close()
+        prime_engine_process()
 
     def sandboxed(self, task: EngineTask, ctx: WorkerContext) -> None:
         """Forks the engines' template now, before any evaluation puts reference embeddings in memory."""
@@ -390,17 +385,18 @@ class EngineBackend(Backend[EngineTask]):
         except (ValueError, ValidationError, TypeError) as exc:
             raise Failure(Status.INVALID, f"not an engine configuration: {exc}") from None
         try:
-            seconds = task.compile_kernels(config, compiler=settings.compiler, cache_dir=ctx.cache_dir,
-                                           work_dir=ctx.work_dir)  # fmt: skip
+            built = task.compile_kernels(config, compiler=settings.compiler, cache_dir=ctx.cache_dir,
+                                         work_dir=ctx.work_dir)  # fmt: skip
         except CompileError as exc:
             raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
-        return Build(genome, config, seconds)
+        return Build(genome, config, sum(b.seconds for b in built.values()),
+                     {"kernel_sha256": {slot: b.sha256 for slot, b in built.items()}} if built else {})
 
     def load(self, task: EngineTask, build: Build, settings: EvalSettings, ctx: WorkerContext) -> EngineProgram:
         """The engine in a host of its own: the model in the configuration's precision, its kernels loaded."""
         try:
             with _host_failures():
-                engine = self.spawn(task, build.artifact, settings, ctx)
+                engine = self.spawn(task, build.artifact, settings, ctx, build.metrics.get("kernel_sha256"))
         except EngineBuildFailed as exc:  # e.g. a library without the kernel function
             raise Failure(Status.COMPILE_ERROR, str(exc)) from None
         return EngineProgram(task, engine, build.artifact, settings, ctx, self.reference_of(task), self)
@@ -410,5 +406,3 @@ def _round(loaded: Loaded) -> dict[str, float]:
     return {"throughput": loaded.result.throughput, "p99_ms": loaded.result.p99_ms}
 
 
-def _lengths(seqs: list[np.ndarray]) -> np.ndarray:
-    return np.array([len(s) for s in seqs], np.float32)

@@ -7,8 +7,8 @@ starts a fresh interpreter instead (``python -m runtime.engine.host``), whose en
 
 A host:
 
-- keeps no descriptor of its parent but its own socket, the compile cache and the standard streams
-  (not the timing lock, not the worker's pipe to the controller);
+- keeps no descriptor of its parent but its own socket and the compile cache (not the timing lock, not
+  the worker's pipe to the controller), and prints to a file of its own, never the worker's log;
 - is not dumpable, dies with its parent, and stays in the worker's process group (it may not leave
   it), so killing the worker's group kills every process an engine started;
 - runs the kernels under the ``engine`` system-call filter (:func:`runtime.host.compiled_filters`),
@@ -186,7 +186,8 @@ def _host_main(conn_fd: int, parent: int | None, build: Callable[[], Engine], fi
 def template_main(sock: socket.socket, model: Model, parent: int, keep: set[int]) -> None:
     """The template's loop (in a process just forked from a worker): each request forks a host building
     one engine of ``model``. A request is JSON (``config``, ``kernels``: slot -> kernel source, ``compiler``,
-    ``cache_dir``, ``cpu_seconds``) with the host's socket attached; the answer is the host's pid. A request
+    ``cache_dir``, ``cpu_seconds``) with the host's socket attached; the answer is the host's pid and the file
+it prints to (in the template's working directory: the worker's). A request
     ``{"status": pid}`` answers how that host ended (``signal`` name or exit ``code``). Never returns."""
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.engine.runs import KernelSource, build_ops
@@ -224,9 +225,11 @@ def template_main(sock: socket.socket, model: Model, parent: int, keep: set[int]
             models[config.precision] = model.with_precision(config.precision)
         build = functools.partial(Engine, models[config.precision], config=config)
         ops = functools.partial(build_ops, kernels, compiler=compiler, cache_dir=cache_dir)
+        output = os.path.abspath(f"engine-host-{me}-{len(ended)}-{os.urandom(4).hex()}.out")
         pid = os.fork()
         if pid == 0:
             try:
+                _print_to(output)
                 if req.get("cpu_seconds"):
                     resource.setrlimit(resource.RLIMIT_CPU, (int(req["cpu_seconds"]),) * 2)
                 _host_main(fds[0], me, lambda: build(ops=ops()), filters,  # noqa: B023 - called right here
@@ -237,7 +240,18 @@ def template_main(sock: socket.socket, model: Model, parent: int, keep: set[int]
             finally:
                 os._exit(1)
         os.close(fds[0])
-        sock.send(json.dumps({"pid": pid}).encode())
+        sock.send(json.dumps({"pid": pid, "output": output}).encode())
+
+
+def _print_to(path: str) -> None:
+    """What this process prints goes to a file of its own (created here), not the worker's log: a kernel could
+    rewrite a log it shares."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def _ended(pid: int, ended: dict[int, int]) -> dict[str, Any]:
@@ -255,12 +269,21 @@ def main(argv: list[str]) -> int:
     """``python -m runtime.engine.host FD`` with a JSON spec on stdin: builds the engine it describes and
     answers on descriptor FD. The spec holds ``config`` (an :class:`EngineConfig`), ``model_dir``, and for
     evolved kernels ``task`` (the engine task's name and resolved args: the kernels travel in them),
-    ``compiler`` and ``cache_dir``. Nothing is read from a run."""
+    ``compiler``, ``cache_dir`` and ``kernel_sha256`` (slot -> the library each kernel must load as: the
+    build that was measured). Nothing is read from a run.
+
+    As a worker does, it reads what it needs (the model, the compile cache's descriptor), then enters the
+    sandbox: resource limits (no CPU time limit: it serves for as long as its server does) and, started as
+    root, the unprivileged user, so that nothing it runs can read its server's memory or environment (the
+    serve key) or any file of the machine's; it compiles its kernels as that user, then loads them under
+    the filter."""
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.engine.model import load_model
     from runtime.engine.ops import numpy_ops
+    from runtime.engine.workers import prime_engine_process
     from runtime.host import compiled_filters, make_undumpable
-    from runtime.settings import CompilerSettings
+    from runtime.sandbox import enter_sandbox, sandbox_ids
+    from runtime.settings import CompilerSettings, SandboxSettings
     from runtime.task import load_task_class
 
     conn_fd, spec = int(argv[0]), json.loads(sys.stdin.read())
@@ -269,12 +292,21 @@ def main(argv: list[str]) -> int:
     # short-lived threads). The socket closing when the server dies ends this host just as well.
     model = load_model(spec.get("model_dir"))
     config = EngineConfig.model_validate(spec.get("config") or {})
-    build: Callable[[], Engine]
+    task = None
+    keep: set[int] = set()
     if spec.get("task"):
         task = load_task_class(spec["task"]["name"])(spec["task"]["args"])
         task.share_model(model)  # type: ignore[attr-defined]
         compiler = CompilerSettings.model_validate(spec.get("compiler") or {})
-        cache_dir = spec["cache_dir"]
+        cache_fd = os.open(spec["cache_dir"], os.O_RDONLY | os.O_DIRECTORY)  # its path may be closed to us later
+        keep.add(cache_fd)
+        cache_dir = f"/proc/self/fd/{cache_fd}"
+    filters = compiled_filters()
+    prime_engine_process()
+    enter_sandbox(SandboxSettings(), sandbox_ids(), cpu_limit=False)
+    make_undumpable()  # a change of credentials resets it
+    build: Callable[[], Engine]
+    if task is not None:
         try:
             task.compile_kernels(config, compiler=compiler, cache_dir=cache_dir)  # type: ignore[attr-defined]
         except Exception:  # noqa: BLE001 - reported as the build's failure; before the filter: no exec after
@@ -282,10 +314,11 @@ def main(argv: list[str]) -> int:
             with contextlib.closing(socket.socket(fileno=conn_fd)) as sock:
                 write_frame(sock, b"E", error.encode())
             return 0
-        build = lambda: task.build(config, compiler=compiler, cache_dir=cache_dir)  # type: ignore[attr-defined]  # noqa: E731
+        built = spec.get("kernel_sha256") or None
+        build = lambda: task.build(config, compiler=compiler, cache_dir=cache_dir, built=built)  # type: ignore[attr-defined]  # noqa: E731
     else:
         build = lambda: Engine(model, numpy_ops(), config)  # noqa: E731
-    _host_main(conn_fd, None, build, compiled_filters(), set())
+    _host_main(conn_fd, None, build, filters, keep)
     return 0
 
 

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -34,7 +35,7 @@ from runtime.engine.model import Model
 from runtime.engine.ops import Ops
 from runtime.engine.runs import KernelSource
 from runtime.engine.wire import FrameError, decode_result, encode_batch, read_frame, write_frame
-from runtime.host import HostDied
+from runtime.host import HostDied, forward_output
 from runtime.sandbox import process_table
 from runtime.settings import CompilerSettings
 
@@ -49,6 +50,18 @@ class EngineBuildFailed(RuntimeError):
 
 
 # --- processes -----------------------------------------------------------------------------------------
+
+
+def _tail(path: str | None, limit: int = 1500) -> str:
+    """The last ``limit`` characters a host printed (its file ``path``)."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def process_tree(root: int, table: Mapping[int, tuple[int, int, str]] | None = None) -> list[int]:
@@ -133,8 +146,10 @@ class EngineProcess:
     """An engine's host process: batches in, embeddings out (thread-safe); see :mod:`runtime.engine.host`."""
 
     def __init__(self, pid: int, sock: socket.socket, status: Callable[[int], dict[str, Any]] | None = None,
-                 popen: subprocess.Popen[bytes] | None = None) -> None:  # fmt: skip
+                 popen: subprocess.Popen[bytes] | None = None, output: str | None = None,
+                 forward_to: int = 1) -> None:  # fmt: skip
         self.pid, self._sock, self._status, self._popen = pid, sock, status, popen
+        self.output, self._forward_to = output, forward_to  # the file it prints to, forwarded here when it ends
         self.dim = 0
         self._pending: dict[int, Future[np.ndarray]] = {}
         self._control: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
@@ -193,6 +208,9 @@ class EngineProcess:
             message, name = f"the engine's process exited with code {how.get('code')}", None
         if why:
             message += f" ({why})"
+        printed = _tail(self.output)
+        if printed:
+            message += f"; its output:\n{printed}"
         self._dead = HostDied(message, name)
         for fut in list(self._pending.values()):
             if not fut.done():
@@ -316,6 +334,9 @@ class EngineProcess:
             self._sock.shutdown(socket.SHUT_RDWR)
         self._reader.join(5.0)
         self._sock.close()
+        if self.output is not None:
+            forward_output(self.output, f"engine process {self.pid}", to=self._forward_to)
+            self.output = None
 
 
 # --- the engine, as its caller sees it -------------------------------------------------------------------
@@ -405,7 +426,7 @@ class EngineTemplate:
             answer = self._ask(request, [theirs.fileno()])
         finally:
             theirs.close()
-        process = EngineProcess(int(answer["pid"]), ours, status=self.status)
+        process = EngineProcess(int(answer["pid"]), ours, status=self.status, output=answer.get("output"))
         try:
             process.ready()
         except BaseException:
@@ -432,26 +453,30 @@ def spawn_host(model: Model, config: EngineConfig, spec: Mapping[str, Any],
                env: Mapping[str, str] | None = None) -> HostedEngine:  # fmt: skip
     """A host started from a fresh interpreter building ``spec`` (:func:`runtime.engine.host.main`; its
     ``config`` is set from ``config``). Its environment is ``env`` (default: this process's ``PATH``, ``HOME``,
-    locale, ``PYTHONPATH``, offline and thread settings, nothing else: no key)."""
+    locale, ``PYTHONPATH``, offline and thread settings, nothing else: no key). It inherits no descriptor but
+    its socket and the spec's pipe, drops to the sandbox user, and prints to a file of its own, forwarded to
+    this process's stderr when it ends."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     if env is None:
         env = {k: v for k, v in os.environ.items()
                if k in ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
                or k.endswith("_NUM_THREADS")}  # fmt: skip
+    fd, output = tempfile.mkstemp(prefix="evoforge-engine-host-", suffix=".out")
     try:
         popen = subprocess.Popen(
             [sys.executable, "-m", "runtime.engine.host", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.PIPE, env=dict(env),
+            pass_fds=(theirs.fileno(),), stdin=subprocess.PIPE, stdout=fd, stderr=subprocess.STDOUT, env=dict(env),
         )  # fmt: skip
     finally:
         theirs.close()
+        os.close(fd)
     try:  # the spec on stdin: an engine task's arguments carry its kernels' sources, too long for argv
         assert popen.stdin is not None
         with popen.stdin:
             popen.stdin.write(json.dumps({**spec, "config": config.model_dump(mode="json")}).encode())
     except BrokenPipeError:
         pass  # the host died at once: ready() below reports it
-    process = EngineProcess(popen.pid, ours, popen=popen)
+    process = EngineProcess(popen.pid, ours, popen=popen, output=output, forward_to=2)
     try:
         process.ready()
     except BaseException:

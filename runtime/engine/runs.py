@@ -14,7 +14,7 @@ from runtime.engine.ops import SLOTS, Ops, c_slot, slot_task
 from runtime.runs import RunNotFound, RunReader
 from runtime.settings import CompilerSettings, TaskSpec
 from runtime.task import load_task_class
-from runtime.toolchain.cc import compile_source, load_kernel
+from runtime.toolchain.cc import CompileError, CompileResult, compile_source, load_kernel
 
 __all__ = ["KernelSource", "RunNotFound", "build_ops", "compile_kernels", "kernel_offer"]
 
@@ -28,6 +28,7 @@ class KernelSource:
     source: str
     flags: tuple[str, ...]
     task: str = ""  # the task that evolved it (empty: the slot's first built-in one)
+    sha256: str = ""  # the hash its library must have when it is loaded (empty: not checked)
 
 
 def kernel_offer(run: RunReader, slot: str, ids: list[str] | None, top: int) -> list[KernelSource]:
@@ -56,11 +57,11 @@ def kernel_offer(run: RunReader, slot: str, ids: list[str] | None, top: int) -> 
 
 def compile_kernels(
     kernels: dict[str, KernelSource], *, compiler: CompilerSettings, cache_dir: str, work_dir: str | None = None
-) -> float:
-    """Compiles the kernels into the cache without loading them (nothing of them runs); returns the seconds
-    the compiler took (0 when every one was cached). Raises :class:`runtime.toolchain.CompileError`."""
-    return sum(compile_source(ks.source, compiler=compiler, extra_flags=ks.flags, cache_dir=cache_dir,
-                              work_dir=work_dir).seconds for ks in kernels.values())
+) -> dict[str, CompileResult]:
+    """Compiles the kernels into the cache without loading them (nothing of them runs): each slot's library,
+    with its hash and the seconds the compiler took. Raises :class:`runtime.toolchain.CompileError`."""
+    return {slot: compile_source(ks.source, compiler=compiler, extra_flags=ks.flags, cache_dir=cache_dir,
+                                 work_dir=work_dir) for slot, ks in kernels.items()}  # fmt: skip
 
 
 def build_ops(
@@ -68,13 +69,17 @@ def build_ops(
 ) -> Ops:
     """An operator table with the given slots filled by compiled kernels (the rest numpy).
 
-    Raises :class:`runtime.toolchain.CompileError` when a kernel does not compile.
+    Raises :class:`runtime.toolchain.CompileError` when a kernel does not compile, or when its library is not the
+    one its ``sha256`` names (the build that was measured).
     """
     ops = Ops()
     try:
         for slot, ks in kernels.items():
             built = compile_source(ks.source, compiler=compiler, extra_flags=ks.flags, cache_dir=cache_dir,
                                    work_dir=work_dir)
+            if ks.sha256 and built.sha256 != ks.sha256:
+                raise CompileError(f"the {slot} kernel's library is not the build that was measured (sha256 "
+                                   f"{built.sha256[:16]}, measured {ks.sha256[:16]}): refused")  # fmt: skip
             kernel = load_kernel(built.path, "kernel")
             ops.kernels[slot] = kernel
             fn = c_slot(slot, kernel, ks.task or None)

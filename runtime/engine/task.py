@@ -10,6 +10,7 @@ stored and never an elite. The evaluation itself is :mod:`runtime.backends.engin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,7 @@ from runtime.engine.runs import KernelSource, RunNotFound, build_ops, compile_ke
 from runtime.runs import OpenRun
 from runtime.settings import CompilerSettings
 from runtime.task import Descriptor, Task, TaskArgs
+from runtime.toolchain.cc import CompileResult
 
 __all__ = ["EngineArgs", "EngineTask", "KernelRun", "cosines"]
 
@@ -316,19 +318,23 @@ class EngineTask(Task):
             raise RunNotFound(f"no kernel run of the {slot} slot offers a kernel {cid!r}")
         return found
 
-    def kernel_sources(self, config: EngineConfig) -> dict[str, KernelSource]:
-        """The source of each kernel ``config`` names, by slot."""
-        return {slot: self._kernel_source(slot, cid) for slot, cid in config.kernels.items()}
+    def kernel_sources(self, config: EngineConfig, built: Mapping[str, str] | None = None) -> dict[str, KernelSource]:
+        """The source of each kernel ``config`` names, by slot; with ``built`` (slot -> library hash, what its
+        compile produced or a result recorded), each must load as that library."""
+        found = {slot: self._kernel_source(slot, cid) for slot, cid in config.kernels.items()}
+        return {slot: dataclasses.replace(ks, sha256=(built or {}).get(slot, "")) for slot, ks in found.items()}
 
     def compile_kernels(self, config: EngineConfig, *, compiler: CompilerSettings, cache_dir: str,
-                        work_dir: str | None = None) -> float:
-        """Compiles ``config``'s kernels into the cache without loading them; returns the compile seconds."""
+                        work_dir: str | None = None) -> dict[str, CompileResult]:
+        """Compiles ``config``'s kernels into the cache without loading them: each slot's library and its hash."""
         return compile_kernels(self.kernel_sources(config), compiler=compiler, cache_dir=cache_dir, work_dir=work_dir)
 
-    def build(self, config: EngineConfig, *, compiler: CompilerSettings, cache_dir: str,
-              work_dir: str | None = None) -> Engine:
-        """The engine of ``config``: the model in its precision, its kernels compiled (cached) and loaded."""
-        ops = build_ops(self.kernel_sources(config), compiler=compiler, cache_dir=cache_dir, work_dir=work_dir)
+    def build(self, config: EngineConfig, *, compiler: CompilerSettings, cache_dir: str, work_dir: str | None = None,
+              built: Mapping[str, str] | None = None) -> Engine:  # fmt: skip
+        """The engine of ``config``: the model in its precision, its kernels compiled (cached) and loaded (each
+        the library ``built`` names, when given)."""
+        ops = build_ops(self.kernel_sources(config, built), compiler=compiler, cache_dir=cache_dir,
+                        work_dir=work_dir)  # fmt: skip
         return Engine(self.model().with_precision(config.precision), ops, config)
 
     def similarity(self, engine: Engine) -> float:

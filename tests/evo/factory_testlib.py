@@ -7,12 +7,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "runtime" / "engine"))
+
+from probe_testlib import SECRET, SECRET_ENV, Listener, probe_block, probe_source  # noqa: E402
 
 
 def evo(*args: str, cwd: Path, timeout: float = 900, **kw) -> subprocess.CompletedProcess[str]:
@@ -53,12 +56,48 @@ def _processes_naming(path: Path) -> list[str]:
     return out
 
 
-def killed_and_resumed_factory(tmp: Path) -> Path:
+@dataclass
+class Probe:
+    """The probing GELU's marker file (it writes what it saw there, when it can write) and its listener."""
+
+    marker: Path
+    listener: Listener = field(default_factory=Listener)
+
+    def source(self) -> str:
+        return probe_source(self.marker, self.listener.port)
+
+
+def plant_probe(tmp: Path, probe: Probe, env: dict[str, str]) -> Path:
+    """A gelu search at the tiny BERT's shape whose model endpoint (scripted) answers with the probing GELU: it
+    becomes the search's best and enters the memory of ``env``. Returns the run's directory."""
+    from llm_testlib import KEY_ENV, FakeLLM, Reply
+
+    answer = "A faster GELU:\n```c\n" + probe_block(probe.marker, probe.listener.port) + "\n```\n"
+    with FakeLLM([Reply(text=answer)]) as llm:
+        cfg = {
+            "task": {"name": "probe_testlib:NaiveGelu", "args": {"rows": 2048, "cols": 128}},
+            "evaluation": {"timing": {"max_seconds": 0.05, "max_repeats": 5, "min_repeats": 3}, "check_trials": 1},
+            "search": {"workers": 1, "initial_random": 0, "operators": {"weights": {"llm_rewrite": 1.0}},
+                       "confirm": {"repeats": 0}},
+            "budget": {"max_evals": 2},
+            "archive": {"descriptors": ["source_lines"], "bins": 8, "ranges": [[0, 200]]},
+            "llm": {"models": [{"base_url": llm.url, "model": "scripted", "api_key_env": KEY_ENV}]},
+        }  # fmt: skip
+        (tmp / "probe.yaml").write_text(yaml.safe_dump(cfg))
+        done = evo("run", "probe.yaml", "--run-dir", "probe-run", cwd=tmp, timeout=300,
+                   env={**env, KEY_ENV: "scripted", "PYTHONPATH": str(Path(__file__).parent)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp / "probe-run"
+
+
+def killed_and_resumed_factory(tmp: Path, probe: Probe) -> Path:
     """A one-round factory on a small random BERT, killed with -9 (the factory alone) once its first kernel
-    search is done and its engine search is running alongside the second, then resumed."""
+    search is done and its engine search is running alongside the second, then resumed. Its memory holds the
+    probing GELU (:func:`plant_probe`), and a key sits in its environment."""
     cfg = tiny_factory(tmp, budget={"engine_evals": 4, "engine_after_kernels": 2})
     (tmp / "factory.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "EVOFORGE_MEMORY_DIR": str(tmp / "memory")}
+    env = {**os.environ, "EVOFORGE_MEMORY_DIR": str(tmp / "memory"), "OPENAI_API_KEY": SECRET, SECRET_ENV: SECRET}
+    plant_probe(tmp, probe, env)
     out = tmp / "fac"
     proc = subprocess.Popen([sys.executable, "-m", "evo", "factory", "factory.yaml", "--dir", str(out)], cwd=tmp,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -51,10 +51,12 @@ class Server:
             return status, text, {k.lower(): v for k, v in hdrs.items()}
 
 
-def start_server(run_dir: Path | None, *args: str, key: str | None = None) -> Server:
-    """``evo serve`` of ``run_dir`` (``None``: give what to serve in ``args``, e.g. ``--follow DIR``)."""
+def start_server(run_dir: Path | None, *args: str, key: str | None = None, env: dict[str, str] | None = None,
+                 ) -> Server:  # fmt: skip
+    """``evo serve`` of ``run_dir`` (``None``: give what to serve in ``args``, e.g. ``--follow DIR``), in ``env``
+    (default this process's)."""
     port = free_port()
-    env = {**os.environ}
+    env = {**(os.environ if env is None else env)}
     cmd = [sys.executable, "-m", "evo", "serve", *([str(run_dir)] if run_dir is not None else []), "--port",
            str(port), *args]  # fmt: skip
     if key:
