@@ -28,8 +28,10 @@ __all__ = ["serve"]
               help="seconds to finish in-flight requests after SIGTERM")
 @click.option("--warmup", default=8, show_default=True, type=click.IntRange(min=1),
               help="texts run through an engine before it serves (at start-up and on a switch)")
+@click.option("--body-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="seconds a request's body may take to arrive; a slower one gets 408 and its connection closed")
 def serve(run_dir: Path | None, follow: Path | None, elite: str, host: str, port: int, api_key_env: str | None,
-          max_in_flight: int, drain_timeout: float, warmup: int) -> None:
+          max_in_flight: int, drain_timeout: float, warmup: int, body_timeout: float) -> None:
     """Serve RUN_DIR's engine elite: OpenAI-compatible /v1/embeddings, archive queries, kernel invocation,
     /health, /ready, /metrics. A run that is not an engine run (or has no ok engine candidate) is served
     with the default engine configuration, and says so. SIGTERM drains in-flight requests, then exits 0.
@@ -47,7 +49,8 @@ def serve(run_dir: Path | None, follow: Path | None, elite: str, host: str, port
     warn_if_unfiltered()
     try:
         code = run_server(run_dir, follow=follow, elite=elite, host=host, port=port, api_key_env=api_key_env,
-                          limits=Limits(max_in_flight=max_in_flight), drain_timeout=drain_timeout,
+                          limits=Limits(max_in_flight=max_in_flight, body_timeout_s=body_timeout),
+                          drain_timeout=drain_timeout,
                           warmup=warmup)
     except ServeError as exc:
         raise UserError(str(exc)) from None

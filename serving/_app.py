@@ -154,4 +154,5 @@ def create_app(run_dir: str | Path, *, elite: str = "best", api_key: str | None 
     app.include_router(_embeddings.router, dependencies=[Depends(user_auth)])
     app.include_router(_archive_api.router, dependencies=[Depends(user_auth)])
     install_openapi(app, limits, keyed=state.api_key is not None, model_ids=state.model_ids)
-    return RequestCounter(BodyLimit(app, max_bytes=limits.max_body_bytes), metrics=metrics)
+    return RequestCounter(BodyLimit(app, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s),
+                          metrics=metrics)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+import unicodedata
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -45,6 +46,11 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
+def _has_text(t: str) -> bool:
+    """Whether ``t`` holds a character that is neither whitespace nor a control or format character."""
+    return any(not c.isspace() and not unicodedata.category(c).startswith("C") for c in t)
+
+
 def _check(body: EmbeddingRequest, state: State, dim: int) -> list[str]:
     texts = [body.input] if isinstance(body.input, str) else body.input
     lim = state.limits
@@ -56,6 +62,9 @@ def _check(body: EmbeddingRequest, state: State, dim: int) -> list[str]:
     for i, t in enumerate(texts):
         if not t:
             raise APIError(400, f"input[{i}] is an empty string", param="input", code="empty_input")
+        if not _has_text(t):  # tokenised to nothing: the empty text's embedding, which "" is refused for
+            raise APIError(400, f"input[{i}] holds only whitespace or control characters", param="input",
+                           code="empty_input")
         if len(t) > lim.max_chars:
             raise APIError(400, f"input[{i}] has {len(t)} characters; at most {lim.max_chars}", param="input",
                            code="input_too_long")

@@ -6,6 +6,7 @@ unknown routes and oversized bodies included.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -108,17 +109,21 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class BodyLimit:
-    """ASGI middleware: a body over ``max_bytes`` is answered 413 before the app sees it (chunked too)."""
+    """ASGI middleware: a body over ``max_bytes`` is answered 413 before the app sees it (chunked too), and one
+    that has not arrived whole within ``timeout_s`` (a client that sent less than its Content-Length, and
+    waits) 408; either closes the connection."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, *, max_bytes: int, timeout_s: float = 30.0) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
-    async def _too_large(self, send: Send) -> None:
-        body = json.dumps(error_body(f"request body over {self.max_bytes} bytes", "invalid_request_error",
-                                     None, "request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
+    async def _refuse(self, send: Send, status: int, message: str, code: str) -> None:
+        body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+    async def _too_large(self, send: Send) -> None:
+        await self._refuse(send, 413, f"request body over {self.max_bytes} bytes", "request_too_large")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
@@ -130,8 +135,14 @@ class BodyLimit:
             return
         buffered: list[Message] = []
         size = 0
-        while True:  # read the whole body (at most max_bytes), then replay it
-            msg = await receive()
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        while True:  # read the whole body (at most max_bytes, within timeout_s), then replay it
+            try:
+                msg = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                await self._refuse(send, 408, f"the request body did not arrive within {self.timeout_s:g} s "
+                                   "(less than its Content-Length was sent)", "request_timeout")  # fmt: skip
+                return
             buffered.append(msg)
             if msg["type"] != "http.request":
                 break

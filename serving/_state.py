@@ -20,6 +20,8 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_body_bytes: int = Field(8 << 20, ge=1024, description="request bodies over this get 413")
+    body_timeout_s: float = Field(30.0, gt=0, description="seconds a request's whole body may take to arrive; a "
+                                  "client that sends less than its Content-Length gets 408 and the connection closed")
     max_items: int = Field(256, ge=1, description="texts per embeddings request")
     max_chars: int = Field(16384, ge=1, description="characters per text")
     max_in_flight: int = Field(256, ge=1, description="embeddings requests being served at once; more get 429")

@@ -60,7 +60,7 @@ def engine_server(runs: dict[str, Path]) -> Iterator[Server]:
 
 @pytest.fixture(scope="session")
 def matmul_server(runs: dict[str, Path]) -> Iterator[Server]:
-    """A matmul run (no engine elite: the default engine configuration), no API key."""
-    srv = start_server(runs["matmul"])
+    """A matmul run (no engine elite: the default engine configuration), no API key, a 3 s body timeout."""
+    srv = start_server(runs["matmul"], "--body-timeout", "3")
     yield srv
     stop(srv)

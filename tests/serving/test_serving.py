@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +74,8 @@ BAD = [
     ("token arrays", "POST", "/v1/embeddings", {"input": [[1, 2, 3]]}, 400),
     ("empty list", "POST", "/v1/embeddings", {"input": []}, 400),
     ("empty string", "POST", "/v1/embeddings", {"input": ""}, 400),
+    ("whitespace only", "POST", "/v1/embeddings", {"input": ["a", " \t\n "]}, 400),
+    ("control characters only", "POST", "/v1/embeddings", {"input": "\u0000\u0007\u200b\u001b"}, 400),
     ("too many items", "POST", "/v1/embeddings", {"input": ["a"] * 257}, 400),
     ("oversized string", "POST", "/v1/embeddings", {"input": "a" * 20000}, 400),
     ("unknown model", "POST", "/v1/embeddings", {"input": "a", "model": "gpt-9"}, 404),
@@ -181,6 +184,24 @@ def _engine_hosts(srv: Server) -> list[int]:
     return found
 
 
+def test_a_body_shorter_than_its_content_length_gets_408_and_the_connection_closed(matmul_server: Server) -> None:
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    u = urlsplit(matmul_server.url)
+    t0 = time.monotonic()
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"input\": ")
+        chunks = []
+        while chunk := s.recv(65536):  # the server answers, then closes the connection
+            chunks.append(chunk)
+    reply = b"".join(chunks).decode()
+    assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply, reply
+    assert time.monotonic() - t0 < 20  # the fixture's body timeout, not a client's patience
+
+
 def test_the_served_engines_kernels_run_in_a_filtered_process_without_the_key(engine_server: Server) -> None:
     """The key stays in the HTTP process: the engine's host is a fresh interpreter with none of its memory
     or environment, under the system-call filter."""
@@ -198,6 +219,8 @@ def test_the_served_engines_kernels_run_in_a_filtered_process_without_the_key(en
             status = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
         if filter_available():
             assert status["Seccomp"].strip() == "2" and status["NoNewPrivs"].strip() == "1"
+        if os.geteuid() == 0:  # the sandbox user: no key of the server's environment, no memory of it, no root
+            assert status["Uid"].split()[0] != "0" and status["CapEff"].strip("0\n ") == ""
     assert engine_server.call("POST", "/v1/embeddings", {"input": ["still served"]})[0] == 200
 
 
