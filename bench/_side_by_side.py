@@ -1,6 +1,10 @@
-"""Shared by the bench scripts: take a run's best candidate and time it against the task's reference,
-side by side in this one process, on one pinned core, at several problem sizes; for the linear-layer tasks,
-against numpy's fp32 ``x @ w + b`` instead (:func:`linear_main`).
+"""Shared by the bench scripts: take a run's best candidate and time it against the task's reference at
+several problem sizes; for the linear-layer tasks, against numpy's fp32 ``x @ w + b`` too (:func:`linear_main`).
+
+Candidate code runs only behind the boundary, as in a search: each figure of ours comes from a fresh evaluation
+by a sandboxed worker, which runs the candidate in a host of its own (the sandbox user, the system-call filter)
+and times it interleaved with the task's reference on one pinned core, under the machine's timing lock, on
+fresh inputs every round. Nothing of the candidate runs in this process.
 
 Set thread counts before numpy loads: the comparison is single-threaded on both sides.
 """
@@ -31,11 +35,9 @@ sys.path.insert(0, str(ROOT))
 from archive import Candidate  # noqa: E402
 from evo.rundir import RunDir  # noqa: E402
 from genome import Genome  # noqa: E402
-from runtime import Task, TimingSettings  # noqa: E402
-from runtime.backends.kernels import guarded_empty, within_tolerance  # noqa: E402
+from runtime import EvalRequest, EvalResult, EvalSettings, Status, Task, TaskSpec, TimingSettings  # noqa: E402
 from runtime.settings import CompilerSettings  # noqa: E402
 from runtime.timing import pinned, time_interleaved  # noqa: E402
-from runtime.toolchain import compile_source, load_kernel  # noqa: E402
 
 
 def run_search(config: Path, run_dir: Path) -> float:
@@ -66,43 +68,49 @@ def run_wall_seconds(rd: RunDir) -> float:
     return max(c.evaluated_at or 0 for c in cands) - min(c.created_at for c in cands) if cands else 0.0
 
 
+def _timing(seconds: float) -> TimingSettings:
+    return TimingSettings(warmup=3, min_repeats=10, max_repeats=400, target_rel_spread=0.005, max_seconds=seconds,
+                          min_seconds=min(1.0, seconds))  # fmt: skip
+
+
+def remeasure(genome: Genome, specs: Sequence[TaskSpec], settings: EvalSettings) -> list[EvalResult]:
+    """``genome`` evaluated afresh (checked, then timed against the reference) at each of ``specs``, by a
+    sandboxed worker (a new one for these evaluations, its compile cache a temporary directory)."""
+    from runtime.pool import LocalPool
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp, LocalPool(workers=1, log_dir=os.path.join(tmp, "logs")) as pool:
+        for i, spec in enumerate(specs):
+            paths = tuple(p for p in sys.path if p)
+            pool.submit(EvalRequest(key=f"{genome.id}#{i}", genome=genome, task=spec, settings=settings,
+                                    cache_dir=os.path.join(tmp, "cache"), sys_path=paths))  # fmt: skip
+            got = pool.next_result(settings.sandbox.timeout + 60)
+            out.append(got[1] if got else EvalResult(status=Status.TIMEOUT, error="no result"))
+    return out
+
+
 def side_by_side(
     rd: RunDir, make_task: Callable[[int], Task], sizes: list[int], *, seconds: float = 3.0
 ) -> dict[str, Any]:
-    """Compiles the run's best candidate and times it against the reference at each size."""
+    """The run's best candidate evaluated again at each size, behind the boundary (:func:`remeasure`)."""
     config = rd.frozen_config()
     best = rd.store.best(1)
     if not best:
         raise SystemExit(f"no ok candidate in {rd.path}")
     cand = best[0]
-    timing = TimingSettings(warmup=3, min_repeats=10, max_repeats=400, target_rel_spread=0.005, max_seconds=seconds)
+    settings = config.evaluation.model_copy(update={"timing": _timing(seconds), "check_trials": 1})
+    tasks = [make_task(size) for size in sizes]
+    specs = [TaskSpec(name=config.task.name, args=t.args.model_dump(mode="json")) for t in tasks]
     results = []
-    with tempfile.TemporaryDirectory() as tmp, pinned(None, 1):
-        for size in sizes:
-            task = make_task(size)
-            lib = compile_source(task.render(cand.genome), compiler=config.evaluation.compiler,
-                                 extra_flags=task.compile_flags(), cache_dir=tmp)
-            kernel = load_kernel(lib.path, task.kernel_name)
-            case = task.full_case()
-            rng = np.random.default_rng(size)
-            inputs = task.inputs(case, rng)
-            outs = {k: guarded_empty(shape, dtype)[1] for k, (shape, dtype) in task.outputs(case).items()}
-            refs = {k: np.empty(shape, dtype) for k, (shape, dtype) in task.outputs(case).items()}
-            call = kernel.bind(task.kernel_args(case, {**inputs, **outs}))
-            call()
-            task.reference(case, inputs, refs)
-            rtol, atol = task.tolerance(case)
-            scales = task.error_scale(case, inputs, refs) or {}
-            correct = all(within_tolerance(outs[k], refs[k], rtol, atol, scales.get(k)).all() for k in outs)
-            run = time_interleaved(call, lambda t=task, c=case, i=inputs, r=refs: t.reference(c, i, r), timing)
-            work = task.work(case)
-            results.append({
-                "size": size, "case": case, "correct": bool(correct),
-                "fitness": work / run.candidate.median, "reference_fitness": work / run.reference.median,
-                "ratio": run.reference.median / run.candidate.median, "repeats": run.candidate.n,
-                "rel_uncertainty": run.rel_uncertainty,
-            })
-            kernel.close()
+    for size, task, r in zip(sizes, tasks, remeasure(cand.genome, specs, settings), strict=True):
+        m = r.metrics
+        ok = r.status == Status.OK and r.fitness is not None
+        results.append({
+            "size": size, "case": task.full_case(), "correct": r.status == Status.OK, "status": str(r.status),
+            "error": r.error, "fitness": r.fitness if ok else None,
+            "reference_fitness": m.get("ref_fitness"), "ratio": m.get("vs_reference"),
+            "repeats": m.get("n_repeats"), "rel_uncertainty": m.get("rel_uncertainty"),
+        })  # fmt: skip
     return {"candidate": cand.id, "params": dict(cand.params), "unit": cand.unit, "sizes": results}
 
 
@@ -127,8 +135,12 @@ def report(title: str, rd: RunDir, measured: dict[str, Any], search_seconds: flo
     for r in out["climb"]:
         print(f"  after {r['evals']:>4} evals: {r['fitness']:8.2f} {unit}  ({r['vs_reference']:.3f}x reference)")
     print(f"best candidate {measured['candidate'][:12]}: {measured['params']}")
-    print("side by side in this process, one pinned core:")
+    print("evaluated again behind the boundary (a sandboxed worker, the kernel in a host of its own), interleaved "
+          "with the reference on one pinned core:")
     for r in measured["sizes"]:
+        if r["fitness"] is None:
+            print(f"  {r['case']}: {r['status']}: {r['error']}")
+            continue
         print(f"  {r['case']}: evolved {r['fitness']:8.2f} {unit}  reference {r['reference_fitness']:8.2f} {unit}"
               f"  ratio {r['ratio']:.3f}x  (n={r['repeats']}, correct={r['correct']})")
 
@@ -144,47 +156,40 @@ def linear_vs_numpy(
     ms: list[int],
     seconds: float,
 ) -> list[dict[str, Any]]:
-    """Each ``(k, n)`` of ``shapes`` at each m: the kernel's rate (``task.work`` per second) and numpy's
-    ``x @ w + b`` (fp32, the task's ``w`` and ``bias`` inputs) at the same work, timed interleaved on one pinned
-    core. The kernel's output is checked against the task's reference first (``correct``)."""
-    timing = TimingSettings(warmup=3, min_repeats=10, max_repeats=400, target_rel_spread=0.005, max_seconds=seconds)
+    """Each ``(k, n)`` of ``shapes`` at each m: the kernel's rate (``task.work`` per second) against numpy's
+    ``x @ w + b`` (fp32, the task's ``w`` and ``bias`` inputs) at the same work. Two ratios, each measured side by
+    side: the kernel against the task's reference, behind the boundary (:func:`remeasure`: checked, then timed
+    interleaved by a sandboxed worker); and the reference against numpy's fp32 GEMM, both numpy, interleaved
+    here. Their product is the kernel against numpy."""
+    settings = EvalSettings(compiler=compiler, timing=_timing(seconds), check_trials=1)
+    tasks = [make_task(m, k, n) for k, n in shapes for m in ms]
+    specs = [TaskSpec(name=t.name, args=t.args.model_dump(mode="json")) for t in tasks]
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, pinned(None, 1), threadpool_limits(1):
-        for k, n in shapes:
-            for m in ms:
-                task = make_task(m, k, n)
-                lib = compile_source(
-                    task.render(genome), compiler=compiler, extra_flags=task.compile_flags(), cache_dir=tmp
-                )
-                kernel = load_kernel(lib.path, task.kernel_name)
-                case = task.full_case()
-                inputs = task.inputs(case, np.random.default_rng(m * k + n))
-                y = guarded_empty((m, n), np.float32)[1]
-                expected = np.empty_like(y)
-                call = kernel.bind(task.kernel_args(case, {**inputs, "y": y}))
-                call()
+    with pinned(None, 1), threadpool_limits(1):
+        for task, r in zip(tasks, remeasure(genome, specs, settings), strict=True):
+            case = task.full_case()
+            inputs = task.inputs(case, np.random.default_rng(case["m"] * case["k"] + case["n"]))
+            x, w, b = inputs["x"], inputs["w"], inputs["bias"]
+            out, expected = np.empty((case["m"], case["n"]), np.float32), np.empty((case["m"], case["n"]), np.float32)
+
+            def numpy_linear(x=x, w=w, b=b, out=out) -> None:
+                np.add(np.matmul(x, w, out=out), b, out=out)
+
+            def reference(task=task, case=case, inputs=inputs, expected=expected) -> None:
                 task.reference(case, inputs, {"y": expected})
-                rtol, atol = task.tolerance(case)
-                x, w, b, out = inputs["x"], inputs["w"], inputs["bias"], np.empty_like(y)
 
-                def numpy_linear(x=x, w=w, b=b, out=out) -> None:
-                    np.add(np.matmul(x, w, out=out), b, out=out)
-
-                run = time_interleaved(call, numpy_linear, timing)
-                work = task.work(case)
-                rows.append(
-                    {
-                        "m": m,
-                        "k": k,
-                        "n": n,
-                        "correct": bool(np.allclose(y, expected, rtol=rtol, atol=atol)),
-                        "kernel_gflops": work / run.candidate.median,
-                        "numpy_gflops": work / run.reference.median,
-                        "ratio": run.reference.median / run.candidate.median,
-                        "repeats": run.candidate.n,
-                    }
-                )
-                kernel.close()
+            run = time_interleaved(numpy_linear, reference, _timing(seconds))  # numpy first: the "candidate" slot
+            work = task.work(case)
+            ok = r.status == Status.OK and r.fitness is not None
+            ref_vs_numpy = run.candidate.median / run.reference.median  # > 1: the reference is the faster
+            rows.append({
+                "m": case["m"], "k": case["k"], "n": case["n"], "correct": r.status == Status.OK,
+                "status": str(r.status), "error": r.error,
+                "kernel_gflops": r.fitness if ok else None, "vs_reference": r.metrics.get("vs_reference"),
+                "reference_vs_numpy": ref_vs_numpy, "numpy_gflops": work / run.candidate.median,
+                "ratio": r.metrics["vs_reference"] * ref_vs_numpy if ok else None,
+                "repeats": r.metrics.get("n_repeats"),
+            })  # fmt: skip
     return rows
 
 
@@ -223,6 +228,9 @@ def linear_main(
     head, width = f"kernel {unit}", len(f"numpy {unit}")
     print(f"{'m':>5} {'k':>5} {'n':>5}  {head:>14}  {'numpy ' + unit:>{width}}  {'ratio':>6}  correct")
     for r in rows:
+        if r["ratio"] is None:
+            print(f"{r['m']:>5} {r['k']:>5} {r['n']:>5}  {r['status']}: {r['error']}")
+            continue
         print(
             f"{r['m']:>5} {r['k']:>5} {r['n']:>5}  {r['kernel_gflops']:>14.1f}  {r['numpy_gflops']:>{width}.1f}"
             f"  {r['ratio']:>5.2f}x  {r['correct']}"

@@ -1,5 +1,6 @@
 """The best evolved engine against its peers, side by side in one run: same machine, same thread count,
-same request texts, same closed-loop concurrency.
+same request texts, same closed-loop concurrency. Our engines run as they are served: in host processes
+of their own (the sandbox user, the system-call filter), the load and every clock in this process.
 
     python bench/engine_vs_peers.py --run-dir runs/engine_minilm
     python bench/engine_vs_peers.py --config configs/engine_minilm.yaml   # runs the search first
@@ -40,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from archive import read_run  # noqa: E402
-from runtime.engine import Batcher, LoadResult, closed_loop, load_elite  # noqa: E402
+from runtime.engine import Batcher, LoadResult, closed_loop  # noqa: E402
+from runtime.engine.hosted import pin, spawn_elite  # noqa: E402
 from runtime.engine.task import EngineTask  # noqa: E402
 from runtime.timing import pinned  # noqa: E402
 
@@ -250,11 +252,14 @@ def main() -> None:
         # the elite as evolved, and with its workers of the other kind: threads vs processes, side by side
         kind = task.engine_config(cand.genome).worker_kind
         other = "process" if kind == "thread" else "thread"
-        engines = {f"evoforge engine (evolved: {kind} workers)": load_elite(run, cand.id, model=model),
-                   f"evoforge engine ({other} workers)": load_elite(run, cand.id, model=model,
-                                                                    overrides={"worker_kind": other})}
+        # ours in hosts of their own (filtered, the sandbox user), as served: the clock stays in this process
+        engines = {f"evoforge engine (evolved: {kind} workers)": spawn_elite(run, cand.id, model, runs=read_run),
+                   f"evoforge engine ({other} workers)": spawn_elite(run, cand.id, model, runs=read_run,
+                                                                     overrides={"worker_kind": other})}
         for extra in args.also:
-            engines[f"evoforge engine {run.stored(extra).id[:12]}"] = load_elite(run, extra, model=model)
+            engines[f"evoforge engine {run.stored(extra).id[:12]}"] = spawn_elite(run, extra, model, runs=read_run)
+        for engine in engines.values():
+            pin(engine.process.tree(), cores)  # the peers' cores (a process worker forked later inherits them)
         similarity = {name: min_cosine(e.embed(texts), reference) for name, e in engines.items()}
         for name, embed in peers.items():
             got = np.concatenate([embed(list(texts[i : i + 32])) for i in range(0, len(texts), 32)])

@@ -26,7 +26,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from evo.factory.measure import measure  # noqa: E402
+from evo.factory.config import FactoryConfig  # noqa: E402
+from evo.factory.measure import Measurer  # noqa: E402
 from evo.factory.run import read_promotions  # noqa: E402
 
 HAND = (("gelu_minilm", 12), ("layernorm_minilm", 12), ("softmax_cpu", 40), ("linear_bf16_minilm", 24),
@@ -92,13 +93,20 @@ def main() -> None:
     promoted = read_promotions(args.out / "factory")
     factory_engine = ({"run_dir": promoted[-1]["run_dir"], "elite": promoted[-1]["elite"]} if promoted
                       else None)  # fmt: skip
-    factory_cfg = yaml.safe_load((args.out / "factory" / "factory.yaml").read_text())
-    got = measure("duel", {"model_dir": None, "load": factory_cfg["load"], "seed": 0, "held_out_texts": 64,
-                           "candidate": factory_engine, "incumbent": {"run_dir": str(hand / "engine_minilm"),
-                                                                      "elite": hand_elite},
-                           "rounds": args.duel_rounds, "duration_s": args.duration,
-                           "lock_file": "/tmp/evoforge-timing.lock"})  # fmt: skip
-    f, h = got["candidate"], got["incumbent"]
+    factory_cfg = FactoryConfig.model_validate(yaml.safe_load((args.out / "factory" / "factory.yaml").read_text()))
+    promote = factory_cfg.promote.model_copy(update={"held_out_texts": 64, "rounds": args.duel_rounds,
+                                                     "duration_s": args.duration})  # fmt: skip
+    # the factory's own duel: a sandboxed worker, each engine in a filtered host, the clock in the worker
+    measurer = Measurer(args.out / "duel", factory_cfg.model_copy(update={"promote": promote, "seed": 0}))
+    try:
+        got = measurer.duel(factory_engine, {"run_dir": str(hand / "engine_minilm"), "elite": hand_elite})
+    finally:
+        measurer.close()
+    if got.status != "ok" or got.metrics.get("rival_failed"):
+        raise SystemExit(f"the duel had no verdict: {got.status}: {got.error or got.metrics.get('rival_failed')}")
+    m = got.metrics
+    f = {k: m[k] for k in ("throughput", "p99_ms", "similarity", "rounds")}
+    h = {k: m[f"rival_{k}"] for k in ("throughput", "p99_ms", "similarity", "rounds")}
     out = {"hand_s": hand_s, "factory_s": fac_s, "factory_rounds": args.rounds, "promotions": len(promoted),
            "factory": {**f, "engine": factory_engine}, "hand": {**h, "engine": hand_elite}}  # fmt: skip
     (args.out / "result.json").write_text(json.dumps(out, indent=2))

@@ -128,26 +128,18 @@ class EngineHost:
         is in it, and it drops to the sandbox user. Each kernel must load as the library its elite was
         measured with. Tokenising, batching and the timings stay here."""
         from archive import read_run
-        from runtime.engine import EngineConfig, RunNotFound, elite_task, load_model
-        from runtime.engine.hosted import spawn_host
+        from runtime.engine import RunNotFound, load_model
+        from runtime.engine.hosted import spawn_elite
         from serving._runs import model_dir, resolve_engine_elite
 
         if self.model is None:
             self.model = load_model(model_dir(self.run_dir))
         eid, note = resolve_engine_elite(self.run_dir, elite)
-        if eid is None:
-            config, spec = EngineConfig(), {}
-        else:
-            try:
-                with read_run(self.run_dir) as run:
-                    task, config, compiler, cache_dir = elite_task(run, eid, runs=read_run, model=self.model)
-                    measured = run.stored(eid).metrics.get("kernel_sha256")  # the libraries it was measured with
-            except RunNotFound as exc:
-                raise ServeError(str(exc)) from None
-            spec = {"task": {"name": task.name, "args": task.args.model_dump(mode="json")},
-                    "compiler": compiler.model_dump(mode="json"), "cache_dir": cache_dir,
-                    "kernel_sha256": measured if isinstance(measured, dict) else None}  # fmt: skip
-        engine = spawn_host(self.model, config, {**spec, "model_dir": str(self.model.path)})
+        try:
+            with read_run(self.run_dir) as run:
+                engine = spawn_elite(run, eid, self.model, runs=read_run)
+        except RunNotFound as exc:
+            raise ServeError(str(exc)) from None
         runner = EngineRunner(engine, Served(eid, str(self.run_dir), note), self.metrics)
         try:
             runner.warm((_WARM_TEXTS * self.warmup)[: max(1, self.warmup)])

@@ -36,11 +36,12 @@ from runtime.engine.ops import Ops
 from runtime.engine.runs import KernelSource
 from runtime.engine.wire import FrameError, decode_result, encode_batch, read_frame, write_frame
 from runtime.host import HostDied, forward_output
+from runtime.runs import OpenRun, RunReader
 from runtime.sandbox import process_table
 from runtime.settings import CompilerSettings
 
 __all__ = ["EngineBuildFailed", "EngineProcess", "EngineTemplate", "HostedEngine", "frozen", "process_tree",
-           "spawn_host"]  # fmt: skip
+           "spawn_elite", "spawn_host"]  # fmt: skip
 
 _READY_S = 300.0  # a build compiles nothing (the worker did): loading the kernels takes seconds at most
 
@@ -483,3 +484,22 @@ def spawn_host(model: Model, config: EngineConfig, spec: Mapping[str, Any],
         process.close()
         raise
     return HostedEngine(model, config, process)
+
+
+def spawn_elite(run: RunReader, candidate_id: str | None, model: Model, *, runs: OpenRun | None = None,
+                overrides: Mapping[str, Any] | None = None) -> HostedEngine:  # fmt: skip
+    """The engine of candidate ``candidate_id`` of the engine run ``run`` (``None``: the default configuration), in
+    a host started by :func:`spawn_host`: its kernels compiled there (as the sandbox user) and each loaded only as
+    the library the candidate was measured with. Raises as :func:`runtime.engine.elite_task` does, and
+    :class:`EngineBuildFailed` when it cannot be built."""
+    from runtime.engine import elite_task
+
+    if candidate_id is None:
+        config = EngineConfig.model_validate(dict(overrides or {}))
+        return spawn_host(model, config, {"model_dir": str(model.path)})
+    task, config, compiler, cache_dir = elite_task(run, candidate_id, runs=runs, model=model, overrides=overrides)
+    measured = run.stored(candidate_id).metrics.get("kernel_sha256")  # the libraries it was measured with
+    spec = {"task": {"name": task.name, "args": task.args.model_dump(mode="json")}, "model_dir": str(model.path),
+            "compiler": compiler.model_dump(mode="json"), "cache_dir": cache_dir,
+            "kernel_sha256": measured if isinstance(measured, dict) else None}  # fmt: skip
+    return spawn_host(model, config, spec)
