@@ -49,7 +49,7 @@ def test_every_builtin_task_has_a_registered_backend_with_its_stages():
     assert offered == {
         "c": {"compile", "check", "full", "run", "duel"},
         "cuda": {"compile", "check", "full"},
-        "engine": {"compile", "check", "full", "duel"},
+        "engine": {"compile", "check", "full", "duel", "profile"},
     }
 
 
