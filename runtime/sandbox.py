@@ -48,6 +48,7 @@ __all__ = [
     "enter_sandbox",
     "group_members",
     "kill_group",
+    "owned_work_dir",
     "preload_modules",
     "private_dir",
     "sandbox_ids",
@@ -283,6 +284,12 @@ def _ppid(pid: int) -> int:
 _WORK_DIR_PREFIX = "evoforge-worker-"
 
 
+def owned_work_dir() -> str:
+    """A new private temporary directory named for this process (its owner): :func:`sweep_work_dirs` removes it
+    once this process is gone, even killed without removing it."""
+    return tempfile.mkdtemp(prefix=f"{_WORK_DIR_PREFIX}{os.getpid()}-")
+
+
 def sweep_work_dirs(tmp: str | None = None) -> list[str]:
     """Removes the workers' working directories in ``tmp`` (default: the temporary directory) whose owner, the
     process that started the worker, is gone without removing them (it was killed); returns them. A directory
@@ -316,7 +323,7 @@ class WorkerProcess:
         self.profile = profile
         self.log_path = log_path
         ids = sandbox_ids()
-        self.work_dir = tempfile.mkdtemp(prefix=f"{_WORK_DIR_PREFIX}{os.getpid()}-")  # its owner: see sweep_work_dirs
+        self.work_dir = owned_work_dir()
         os.makedirs(profile.cache_dir, exist_ok=True)
         if ids is not None:
             os.chown(self.work_dir, *ids)

@@ -37,7 +37,7 @@ from runtime.engine.runs import KernelSource
 from runtime.engine.wire import FrameError, decode_result, encode_batch, read_frame, write_frame
 from runtime.host import HostDied, forward_output
 from runtime.runs import OpenRun, RunReader
-from runtime.sandbox import process_table
+from runtime.sandbox import owned_work_dir, process_table, sweep_work_dirs
 from runtime.settings import CompilerSettings
 
 __all__ = ["EngineBuildFailed", "EngineProcess", "EngineTemplate", "HostedEngine", "frozen", "process_tree",
@@ -450,6 +450,9 @@ class EngineTemplate:
         self._sock.close()
 
 
+_OUT_DIR: str | None = None  # where this process's hosts print (swept once this process is gone)
+
+
 def spawn_host(model: Model, config: EngineConfig, spec: Mapping[str, Any],
                env: Mapping[str, str] | None = None) -> HostedEngine:  # fmt: skip
     """A host started from a fresh interpreter building ``spec`` (:func:`runtime.engine.host.main`; its
@@ -462,7 +465,11 @@ def spawn_host(model: Model, config: EngineConfig, spec: Mapping[str, Any],
         env = {k: v for k, v in os.environ.items()
                if k in ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
                or k.endswith("_NUM_THREADS")}  # fmt: skip
-    fd, output = tempfile.mkstemp(prefix="evoforge-engine-host-", suffix=".out")
+    global _OUT_DIR
+    if _OUT_DIR is None or not os.path.isdir(_OUT_DIR):
+        sweep_work_dirs()  # what servers killed earlier left
+        _OUT_DIR = owned_work_dir()
+    fd, output = tempfile.mkstemp(prefix="engine-host-", suffix=".out", dir=_OUT_DIR)
     try:
         popen = subprocess.Popen(
             [sys.executable, "-m", "runtime.engine.host", str(theirs.fileno())],
