@@ -13,6 +13,7 @@ from scipy.special import erf
 from genome import Genome
 from runtime.engine import EngineConfig, KernelSource, build_ops, numpy_ops, tasks_of_slot
 from runtime.engine.ops import np_bias_gelu, np_layernorm, np_softmax
+from runtime.hardware import cpu_flags
 from runtime.settings import CompilerSettings
 from runtime.task import load_task_class
 from runtime.toolchain.cc import compile_source
@@ -108,6 +109,12 @@ def test_c_gelu_slot_agrees_with_numpy(genome, tmp_path):
         ops.close()
 
 
+needs_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="this CPU has no AVX512-BF16: "
+                                "linear_bf16's kernels cannot run here")  # fmt: skip
+needs_vnni = pytest.mark.skipif("avx512_vnni" not in cpu_flags(), reason="this CPU has no AVX512-VNNI: "
+                                "linear_int8's kernels cannot run here")  # fmt: skip
+
+
 def _has_amx() -> bool:
     with open("/proc/cpuinfo") as f:
         return "amx_bf16" in f.read()
@@ -121,6 +128,7 @@ def _linear_points() -> list[Genome]:
     return points
 
 
+@needs_bf16
 @pytest.mark.parametrize("genome", _linear_points(), ids=lambda g: str(g.params.get("ISA", "naive")))
 def test_c_linear_slot_is_a_bf16_gemm_on_every_weight_shape(genome, tmp_path):
     from runtime.tasks.linear_bf16 import bf16_round
@@ -146,6 +154,7 @@ def test_c_linear_slot_is_a_bf16_gemm_on_every_weight_shape(genome, tmp_path):
         ops.close()
 
 
+@needs_bf16
 def test_engine_with_a_bf16_linear_slot_stays_close_to_fp32(model, sentences, reference_embeddings, tmp_path):
     """Every weight GEMM in bf16: the embeddings move (it is a reduced precision) but stay far above the
     default similarity floor (0.99)."""
@@ -198,6 +207,7 @@ def _int8_points() -> list[Genome]:
     return points
 
 
+@needs_vnni
 @pytest.mark.parametrize("genome", _int8_points(), ids=lambda g: str(g.params.get("ISA", "naive")))
 def test_c_linear_slot_runs_int8_kernels_on_every_weight_shape(genome, tmp_path):
     from runtime.tasks.linear_int8 import int8_linear_reference, pack_int8
@@ -222,6 +232,7 @@ def test_c_linear_slot_runs_int8_kernels_on_every_weight_shape(genome, tmp_path)
         ops.close()
 
 
+@needs_vnni
 def test_engine_with_an_int8_linear_slot_is_measured_against_the_floor(model, sentences, reference_embeddings,
                                                                      tmp_path):
     """Every weight GEMM in int8 (per-token u8 activations, per-channel s8 weights): the embeddings stay
