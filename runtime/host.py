@@ -13,7 +13,9 @@ What a host can and cannot do:
   read their memory through ``/proc/PID/mem``, trace them or ``process_vm_readv`` them.
 - It holds no descriptor but its socket, its library (until loaded) and a file of its own for what it
   prints: it closes everything else on start, so it never reaches the worker's channel to the
-  controller or the worker's log.
+  controller or the worker's log. Where the kernel has Landlock, it reads files only beneath the
+  system's own directories (``/usr``, ``/lib*``, ``/etc``, ``/proc``, ``/sys``, ``/dev``): no run
+  directory, no worker's working directory, no other candidate's source or output.
 - It is timed from outside: the worker reads its clock around each request, less the cost of one
   round trip measured on a calibration host that never loads candidate code, and cross-checks
   against the CPU time the kernel accounts to the host.
@@ -21,7 +23,8 @@ What a host can and cannot do:
   force before the candidate's library is loaded (its constructors run under it): no sockets, no
   ptrace or ``process_vm_*``, no signals to any process, no signal-driven I/O (``F_SETOWN``,
   ``F_SETSIG``, ``O_ASYNC``), no files opened for writing (so no compile cache can be replaced), no
-  message queues or System V IPC (nothing outlives a candidate to reach the next), no exec, no new
+  message queues, System V IPC, page-cache eviction or residency probes (nothing a candidate leaves
+  behind is a message to the next, but for the timing of reads), no exec, no new
   process and, with ``threads: 1``, no thread; no page made executable by ``mprotect`` (code cannot be
   rewritten, e.g. the process's clock), no memfd and no anonymous mapping as code; once the library
   is loaded, no executable mapping at all. A forbidden call fails with ``EPERM``.
@@ -52,7 +55,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["CandidateHost", "HostDied", "HostLauncher", "build_host", "compiled_filters", "encode_args",
-           "filter_available", "forward_output", "make_undumpable", "spawn_host", "UNFILTERED"]  # fmt: skip
+           "confine_files", "filter_available", "forward_output", "make_undumpable", "spawn_host", "SYSTEM_ROOTS",
+           "UNFILTERED"]  # fmt: skip
 
 _PR_SET_DUMPABLE = 4
 _CPUCLOCK_SCHED = 2
@@ -70,6 +74,47 @@ def make_undumpable() -> None:
 UNFILTERED = ("no system-call filter on this machine (libseccomp or its Python bindings, pyseccomp, do not load): "
               "candidate code runs UNFILTERED, with every system call open to it; fix: apt-get install libseccomp2 "
               "and pip install pyseccomp")
+
+
+SYSTEM_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/etc", "/proc", "/sys", "/dev")
+"""What a candidate's process may read beneath (besides what its caller adds): the system's own directories."""
+_LANDLOCK_READ = (1 << 0) | (1 << 2) | (1 << 3)  # execute, read a file, read a directory
+
+
+def confine_files(roots: Iterable[str] = SYSTEM_ROOTS, fds: Iterable[int] = ()) -> bool:
+    """Where the kernel has Landlock, restricts this process (and what it starts) to reading files beneath
+    ``roots`` and the directories open at ``fds``; nothing may be written, made or removed anywhere. Sets
+    no_new_privs. ``runtime/host.c`` does the same for a C candidate's host. Returns whether it holds."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    abi = libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # landlock_create_ruleset: its version
+    if abi < 1:
+        return False
+    handled = (1 << 13) - 1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)
+    attr = ctypes.c_uint64(handled)
+    rules = libc.syscall(444, ctypes.byref(attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
+    if rules < 0:
+        return False
+
+    class Beneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    try:
+        opened = []
+        for root in dict.fromkeys(roots):
+            with contextlib.suppress(OSError):
+                opened.append(os.open(root, os.O_PATH | os.O_CLOEXEC))
+        for fd in [*opened, *fds]:
+            rule = Beneath(_LANDLOCK_READ, fd)
+            libc.syscall(445, ctypes.c_int(rules), ctypes.c_int(1), ctypes.byref(rule), ctypes.c_uint32(0))
+        for fd in opened:
+            os.close(fd)
+        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+            return False
+        return libc.syscall(446, ctypes.c_int(rules), ctypes.c_uint32(0)) == 0
+    finally:
+        os.close(rules)
 
 
 def filter_available() -> bool:
@@ -514,7 +559,10 @@ _DENIED = (
     # state that outlives a candidate, or carries a message to the next one
     "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
     "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semtimedop", "semctl", "shmctl", "shmdt",
+    # the page cache as a message board: evict a shared file's pages, or see without loading them which are in
+    "fadvise64", "preadv2", "pwritev2", "mincore",
 )  # fmt: skip
+_MADV_COLD, _MADV_PAGEOUT = 20, 21  # evict (or age) a file mapping's pages: the page cache as a message board
 # Signal-driven I/O: a process that owns a descriptor's signals runs its handler whenever the worker writes
 # to it (the worker's requests, its calibration), which no clock of the worker may include.
 _F_SETOWN, _F_SETSIG, _F_SETOWN_EX, _O_ASYNC = 8, 10, 15, 0o20000
@@ -547,6 +595,8 @@ def compiled_filters() -> dict[str, bytes] | None:
             with contextlib.suppress(Exception):
                 f.add_rule(sc.ERRNO(errno.ENOSYS), call)
         f.add_rule(eperm, "prlimit64", sc.Arg(0, sc.NE, 0))  # no other process's limits
+        for advice in (_MADV_COLD, _MADV_PAGEOUT):
+            f.add_rule(eperm, "madvise", sc.Arg(2, sc.EQ, advice))
         for cmd in (_F_SETOWN, _F_SETSIG, _F_SETOWN_EX):
             f.add_rule(eperm, "fcntl", sc.Arg(1, sc.EQ, cmd))
         f.add_rule(eperm, "fcntl", sc.Arg(1, sc.EQ, fcntl.F_SETFL), sc.Arg(2, sc.MASKED_EQ, _O_ASYNC, _O_ASYNC))

@@ -93,8 +93,25 @@ def _cache_fd(cache_dir: str) -> int | None:
 # --- the host ---------------------------------------------------------------------------------------
 
 
-def _load(build: Callable[[], Engine], filters: dict[str, bytes] | None) -> Engine:
-    """The engine, its kernels loaded under the filter and run once, then no new code."""
+def _load(build: Callable[[], Engine], filters: dict[str, bytes] | None, cache_dir: str | None) -> Engine:
+    """The engine, its kernels loaded with its files confined and under the filter, and run once, then no new
+    code. Files: read-only, beneath the system's directories, the interpreter's and the compile cache: no run
+    directory, no worker's working directory, no other candidate's source or output."""
+    import genome
+    import runtime
+    from runtime.host import SYSTEM_ROOTS, confine_files
+
+    ours = [os.path.dirname(m.__file__ or "") for m in (runtime, genome)]  # our packages, not the tree around them
+    checkout = os.path.dirname(ours[0])  # a source checkout (runs may live in it), unless installed
+    closed = {os.getcwd(), *([] if checkout.endswith(("site-packages", "dist-packages")) else [checkout])}
+    python = {p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path, *ours)
+              if p and os.path.isdir(p) and os.path.abspath(p) not in closed}  # fmt: skip
+    cache = os.open(cache_dir, os.O_PATH | os.O_DIRECTORY) if cache_dir else None
+    try:
+        confine_files((*SYSTEM_ROOTS, *sorted(python)), [cache] if cache is not None else [])
+    finally:
+        if cache is not None:
+            os.close(cache)
     if filters is not None:
         load_filter(filters["engine"])
     engine = build()
@@ -162,13 +179,13 @@ def serve(sock: socket.socket, engine: Engine) -> None:
 
 
 def _host_main(conn_fd: int, parent: int | None, build: Callable[[], Engine], filters: dict[str, bytes] | None,
-               keep: set[int]) -> None:  # fmt: skip
+               keep: set[int], cache_dir: str | None) -> None:  # fmt: skip
     _close_fds_except({0, 1, 2, conn_fd, *keep})
     if parent is not None:
         _die_with_parent(parent)
     sock = socket.socket(fileno=conn_fd)
     try:
-        engine = _load(build, filters)
+        engine = _load(build, filters, cache_dir)
     except BaseException as exc:  # noqa: BLE001 - a kernel that does not load is the candidate's failure
         from runtime.toolchain.cc import CompileError
 
@@ -233,7 +250,7 @@ it prints to (in the template's working directory: the worker's). A request
                 if req.get("cpu_seconds"):
                     resource.setrlimit(resource.RLIMIT_CPU, (int(req["cpu_seconds"]),) * 2)
                 _host_main(fds[0], me, lambda: build(ops=ops()), filters,  # noqa: B023 - called right here
-                           {cache_fd} if cache_fd is not None else set())
+                           {cache_fd} if cache_fd is not None else set(), cache_dir)
             except BaseException:  # noqa: BLE001 - into the worker's log
                 traceback.print_exc()
                 sys.stderr.flush()
@@ -318,7 +335,7 @@ def main(argv: list[str]) -> int:
         build = lambda: task.build(config, compiler=compiler, cache_dir=cache_dir, built=built)  # type: ignore[attr-defined]  # noqa: E731
     else:
         build = lambda: Engine(model, numpy_ops(), config)  # noqa: E731
-    _host_main(conn_fd, None, build, filters, keep)
+    _host_main(conn_fd, None, build, filters, keep, cache_dir if task is not None else None)
     return 0
 
 

@@ -170,3 +170,41 @@ def test_a_library_constructor_cannot_map_code_it_wrote(workdir, pool):
     kernel = f"{SIGNATURE} {{\n{COMPUTE}    if (mapped) C[0] = 0.0f / 0.0f;\n}}\n"
     r = run(pool, _matmul(workdir, MAPS_WRITTEN_CODE + kernel), timeout=120)
     assert r.status is Status.OK, r.error
+
+
+def _landlock() -> bool:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1) >= 1  # landlock_create_ruleset(VERSION)
+
+
+# Reads what it can of the files around it: its worker's working directory (where other candidates compile
+# and print, as the same user), /tmp (other workers', other runs'), the test's own directory (a run's files).
+READS_AROUND = r"""
+#include <dirent.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+static int seen, tried;
+static void try_dir(const char *path) {
+    DIR *d = opendir(path);
+    if (d) { seen++; printf("EVOFORGE-LISTED %s\n", path); fflush(stdout); closedir(d); }
+}
+static void around(void) {
+    char cwd[512];
+    if (getcwd(cwd, sizeof cwd)) try_dir(cwd);
+    try_dir(".");
+    try_dir("/tmp");
+    try_dir("WORKDIR");
+    int fd = open("WORKDIR/cache", O_RDONLY | O_DIRECTORY);
+    if (fd >= 0) { seen++; close(fd); }
+}
+"""
+
+
+@pytest.mark.skipif(not _landlock(), reason="this kernel has no Landlock: files are closed to candidates only by owner")
+def test_a_kernel_reads_no_file_outside_the_systems_own_directories(workdir, pool):
+    body = f"    if (!tried) {{ tried = 1; around(); }}\n{COMPUTE}    if (seen) C[0] = 0.0f / 0.0f;\n"
+    source = READS_AROUND.replace("WORKDIR", workdir) + f"{SIGNATURE} {{\n{body}}}\n"
+    r = run(pool, _matmul(workdir, source), timeout=120)
+    assert r.status is Status.OK, r.error  # (a kernel still loads libm and reads /proc: see the door test)

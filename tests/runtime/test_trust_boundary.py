@@ -30,6 +30,7 @@ MATMUL = TaskSpec(name="matmul", args={"m": 128, "n": 128, "k": 128})
 PROBE = (
     r"""
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -114,6 +115,20 @@ static void try_doors(void) {
     if (sem >= 0) semctl(sem, 0, IPC_RMID);
     int mfd = memfd_create("code", 0); door("create a memfd", mfd >= 0);
     if (mfd >= 0) close(mfd);
+    /* the page cache as a message board: evicting a shared file's pages, or probing which are in */
+    int lib = open("/proc/self/exe", O_RDONLY);
+    door("evict pages (fadvise)", lib >= 0 && posix_fadvise(lib, 0, 4096, POSIX_FADV_DONTNEED) == 0);
+    char block[4096]; struct iovec one = {block, sizeof block};
+    door("probe pages (preadv2)", lib >= 0 && (preadv2(lib, &one, 1, 0, 0) >= 0 || errno != EPERM));
+    void *mapped = lib >= 0 ? mmap(0, 4096, PROT_READ, MAP_SHARED, lib, 0) : MAP_FAILED;
+    unsigned char resident;
+    door("probe pages (mincore)", mapped != MAP_FAILED && (mincore(mapped, 4096, &resident) == 0 || errno != EPERM));
+    door("evict pages (madvise)", mapped != MAP_FAILED && madvise(mapped, 4096, MADV_PAGEOUT) == 0);
+    if (lib >= 0) close(lib);
+    if (syscall(444, 0, 0, 1) >= 1) {  /* Landlock: no file outside the system's directories */
+        DIR *here = opendir("."); door("list its worker's working directory", here != 0); if (here) closedir(here);
+        DIR *tmp = opendir("/tmp"); door("list /tmp", tmp != 0); if (tmp) closedir(tmp);
+    }
     char *argv[] = {"/bin/true", 0};
     door("exec", execv("/bin/true", argv) == 0);
 }
@@ -219,11 +234,16 @@ def test_every_door_out_of_the_host_is_shut(workdir, pool):
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the clock patch is x86-64 machine code")
 def test_a_rewritten_clock_in_the_candidates_process_changes_nothing(workdir, pool):
-    honest = run(pool, _matmul(workdir, HONEST), timeout=120)
-    cheat = run(pool, _matmul(workdir, CLOCK_PATCH), timeout=120)
-    assert honest.status is Status.OK and cheat.status is Status.OK, (honest.error, cheat.error)
+    def median_vs_reference(source: str) -> float:
+        """Of three evaluations, interleaved with the other kernel's: one evaluation's speed swings by 1.7x on
+        a shared 2-core machine, its ratio to the reference timed beside it far less."""
+        results = [run(pool, _matmul(workdir, source + f"/* {i} */"), timeout=120) for i in range(3)]
+        assert all(r.status is Status.OK for r in results), [r.error for r in results]
+        return sorted(r.metrics["vs_reference"] for r in results)[1]
+
+    honest, cheat = median_vs_reference(HONEST), median_vs_reference(CLOCK_PATCH)
     # a clock at 40% would show 2.5x; measured from the worker it is the honest kernel's speed
-    assert cheat.fitness < 1.6 * honest.fitness, (cheat.fitness, honest.fitness)
+    assert cheat < 1.6 * honest, (cheat, honest)
 
 
 def test_a_thread_slowing_the_reference_is_invalid_or_cannot_start(workdir, pool):
