@@ -278,7 +278,10 @@ class EngineProgram(Program, Duels, Profiles):
     def profile(self) -> Measurement:
         """Where the engine's time goes on the task's fixed texts (:mod:`runtime.engine.profile`): tokenised here,
         run in its host with every operator timed there, the wall time measured here around it, pinned to the
-        task's cores under the lock. Parts that add up to more than that wall time are ``invalid``."""
+        task's cores under the lock. A profile that cannot be true (parts beyond that wall time, GEMMs the model
+        does not have, another batch count: :func:`runtime.engine.profile.check_forward`) is ``invalid``; how
+        the engine splits its time between operators stays its own account, and steers only where the
+        factory's next searches spend (never a promotion)."""
         texts = self.task.texts()
         t0 = time.perf_counter()
         seqs = self.engine.model.tokenizer.encode_batch(list(texts))
@@ -290,7 +293,10 @@ class EngineProgram(Program, Duels, Profiles):
                 forward = self.engine.process.profile(seqs)
                 wall_s = time.perf_counter() - t1
         self.calls_s += wall_s
-        why = check_forward(forward, wall_s)
+        cfg = self.engine.model.config
+        h, i = cfg.hidden, cfg.intermediate
+        why = check_forward(forward, wall_s, batches=-(-len(seqs) // self.config.max_batch),
+                            shapes={(h, 3 * h), (h, h), (h, i), (i, h)})  # fmt: skip
         if why is not None:
             raise Failure(Status.INVALID, f"the engine's process misreported its profile: {why}")
         found = assemble(seqs, tokenize_s, forward, wall_s)

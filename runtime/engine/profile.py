@@ -122,22 +122,35 @@ def assemble(seqs: Sequence[np.ndarray], tokenize_s: float, forward: dict[str, A
                    other_s=other)  # fmt: skip
 
 
-def check_forward(forward: dict[str, Any], wall_s: float, slack_s: float = 0.002) -> str | None:
+def check_forward(forward: dict[str, Any], wall_s: float, *, batches: int | None = None,
+                  shapes: set[tuple[int, int]] | None = None, slack_s: float = 0.002) -> str | None:
     """Why the parts an engine's process reports cannot be true (``None``: they can): each a finite, non-negative
-    number of seconds, together no more than the wall time its caller measured around them."""
+    number of seconds and no more than the forward passes' own; together no more than the wall time its caller
+    measured around them; the GEMMs, each of one of the model's weight ``shapes``, no more than the linear slot
+    they are part of; and as many batches as its caller sent (``batches``). What stays the engine's own account
+    is how it splits that time: a process that runs candidate code can move time between its operators."""
     try:
-        parts = [float(v) for v in forward["slots"].values()] + [float(forward["attention_s"])]
-        parts += [float(v) for v in forward["gemms"].values()]
-        claimed = float(forward["forward_s"])
-        int(forward["batches"])
+        slots = {str(k): float(v) for k, v in forward["slots"].items()}
+        gemms = {str(k): float(v) for k, v in forward["gemms"].items()}
+        attention, claimed, count = float(forward["attention_s"]), float(forward["forward_s"]), forward["batches"]
     except (KeyError, TypeError, ValueError, AttributeError):
         return "its profile is not a profile"
+    parts = [*slots.values(), *gemms.values(), attention]
     if not all(np.isfinite(p) and p >= 0 for p in [*parts, claimed]):
         return "its profile holds a negative or non-finite time"
-    inside = sum(float(v) for v in forward["slots"].values()) + float(forward["attention_s"])
-    if inside > wall_s * 1.02 + slack_s or claimed > wall_s * 1.02 + slack_s:
+    limit = wall_s * 1.02 + slack_s
+    inside = sum(slots.values()) + attention
+    if inside > limit or claimed > limit or any(p > claimed + slack_s for p in parts):
         return (f"its profile claims {max(inside, claimed) * 1e3:.1f} ms inside its operators, more than the "
                 f"{wall_s * 1e3:.1f} ms it took")  # fmt: skip
+    if sum(gemms.values()) > slots.get("linear", 0.0) * 1.02 + slack_s:
+        return "its profile's GEMMs take longer than the linear slot they are part of"
+    if shapes is not None:
+        named = {f"k={k} n={n}" for k, n in shapes}
+        if not set(gemms) <= named:
+            return f"its profile names GEMMs the model does not have: {sorted(set(gemms) - named)[:3]}"
+    if batches is not None and (not isinstance(count, int) or count != batches):
+        return f"its profile counts {count!r} batches, where it was given {batches}"
     return None
 
 

@@ -302,8 +302,17 @@ def test_an_engine_is_profiled_in_its_host_and_a_profile_beyond_its_wall_time_is
     assert profile["slots"]["layernorm"] > 0 and profile["batches"] >= 1 and profile["tokens"] > 0
     parts = sum(profile["slots"].values()) + profile["attention_s"] + profile["tokenize_s"] + profile["other_s"]
     assert parts == pytest.approx(profile["total_s"])
-    honest = {"slots": {"gelu": 0.01}, "gemms": {}, "attention_s": 0.002, "forward_s": 0.02, "batches": 2}
-    assert check_forward(honest, wall_s=0.021) is None
-    assert "more than" in check_forward({**honest, "slots": {"gelu": 5.0}}, wall_s=0.021)
+    honest = {"slots": {"gelu": 0.002, "linear": 0.01}, "gemms": {"k=384 n=1536": 0.006}, "attention_s": 0.002,
+              "forward_s": 0.02, "batches": 2}
+    shapes = {(384, 1152), (384, 384), (384, 1536), (1536, 384)}
+    assert check_forward(honest, wall_s=0.021, batches=2, shapes=shapes) is None
+    assert "more than" in check_forward({**honest, "slots": {"softmax": 5.0}}, wall_s=0.021)
     assert "negative" in check_forward({**honest, "attention_s": -1.0}, wall_s=0.021)
     assert "not a profile" in check_forward({"slots": "lots"}, wall_s=0.021)
+    # a forged reply: a slot just under the limit, GEMMs of no shape the model has, huge, a negative batch count
+    forged = {"slots": {"softmax": 0.0214}, "gemms": {"k=384 n=1536": 1e300, "<script>": 1e300}, "attention_s": 0.0,
+              "forward_s": 0.0214, "batches": -7}
+    assert check_forward(forged, wall_s=0.021, batches=2, shapes=shapes) is not None
+    assert "GEMMs" in check_forward({**honest, "gemms": {"k=384 n=1536": 0.015}}, wall_s=0.021)
+    assert "does not have" in check_forward({**honest, "gemms": {"<script>": 0.001}}, wall_s=0.021, shapes=shapes)
+    assert "batches" in check_forward({**honest, "batches": -7}, wall_s=0.021, batches=2)
