@@ -256,6 +256,7 @@ class HostLauncher:
             from runtime.toolchain.cc import CompileError
 
             raise CompileError(ready[1:].decode(errors="replace"))
+        host.ready_cpu_ns = host.cpu_ns()
         return host
 
     def host(self, path: str, name: str, *, threads: int = 1, cpu_seconds: int | None = None,
@@ -338,6 +339,8 @@ class CandidateHost:
         self._used = 0  # bytes taken from it
         self._closed = False
         self.round_trip_s = 0.0
+        self.ready_cpu_ns = 0  # its CPU when its library was loaded: what it ran before is its constructors'
+        self.in_calls_ns = 0  # CPU it used inside the requests that called its kernel
 
     # --- buffers --------------------------------------------------------------------------------------
 
@@ -418,7 +421,14 @@ class CandidateHost:
         used = cpu() - c0
         if answer != b"d":
             self._died(answer)
+        self.in_calls_ns += used
         return max((t1 - t0) * 1e-9 - self.round_trip_s, 1e-9 * len(handles)), used
+
+    def outside_calls_ns(self) -> int:
+        """CPU the host used since it was ready outside the requests that call its kernel: its wake-ups to bind
+        calls and map buffers, and whatever it ran on its own (a timer's handler that spins while other
+        workers time theirs, say)."""
+        return self.cpu_ns() - self.ready_cpu_ns - self.in_calls_ns
 
     def calibrate(self, n: int = 32) -> float:
         """Measures the round trip of a request that calls nothing (median of ``n``). Only on a calibration

@@ -77,6 +77,7 @@ _SAMPLE_S = 5e-5  # a timed request lasts about this long at least (several call
 _MAX_RING = 16
 _RING_BYTES = 64 << 20
 _IDLE_SLACK_NS = 1_000_000  # CPU a host may use outside its calls over a timing (its wake-ups), plus 1%
+_OUTSIDE_SLACK_NS = 20_000_000  # over its whole life (hundreds of binds and buffers), plus 1%
 
 
 def _pin_near(pid: int, threads: int) -> None:
@@ -191,12 +192,18 @@ class CProgram(Program, RunsGivenInputs, Duels):
         return inst
 
     def _clean(self) -> None:
-        """Nothing of the candidate may run between its calls: no thread beyond the task's, no process."""
+        """Nothing of the candidate may run between its calls: no thread beyond the task's, no process, and no
+        CPU spent outside them since it loaded (beyond its wake-ups to bind calls and map buffers): what a
+        host runs on its own, it runs while other workers may be timing."""
         allowed = max(1, self.task.args.threads)
         if (n := self.host.threads()) > allowed:
             raise Failure(Status.INVALID, f"left {n - 1} thread(s) running beside its own (threads: {allowed})")
         if kids := self.host.children():
             raise Failure(Status.INVALID, f"left {len(kids)} process(es) running")
+        outside = self.host.outside_calls_ns()
+        if outside > _OUTSIDE_SLACK_NS + 0.01 * self.host.in_calls_ns:
+            raise Failure(Status.INVALID, f"used {outside / 1e6:.1f} ms of CPU outside its calls "
+                          f"({self.host.in_calls_ns / 1e6:.1f} ms in them)")  # fmt: skip
 
     def _ring(self, like: Instance, size: int) -> tuple[Ring, _Calls]:
         """``size`` instances of ``like``'s case in this host's memory, and the requests calling each once."""

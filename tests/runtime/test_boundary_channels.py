@@ -208,3 +208,35 @@ def test_a_kernel_reads_no_file_outside_the_systems_own_directories(workdir, poo
     source = READS_AROUND.replace("WORKDIR", workdir) + f"{SIGNATURE} {{\n{body}}}\n"
     r = run(pool, _matmul(workdir, source), timeout=120)
     assert r.status is Status.OK, r.error  # (a kernel still loads libm and reads /proc: see the door test)
+
+
+# Spins from a timer's handler whenever it is not inside a call, until its first call at the timed size: while
+# it is checked, and its worker waits for the timing lock, it takes a core other workers time on; once timed,
+# it is quiet.
+SPINS_WHILE_IDLE = r"""
+#include <signal.h>
+#include <string.h>
+#include <sys/time.h>
+#include <time.h>
+static volatile int inside, timed;
+static void spin(int sig) {
+    (void)sig;
+    if (inside || timed) return;
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    do clock_gettime(CLOCK_MONOTONIC, &t);
+    while ((t.tv_sec - t0.tv_sec) * 1000000000L + t.tv_nsec - t0.tv_nsec < 2000000);
+}
+__attribute__((constructor)) static void arm(void) {
+    struct sigaction sa; memset(&sa, 0, sizeof sa); sa.sa_handler = spin; sa.sa_flags = SA_RESTART;
+    sigaction(SIGALRM, &sa, 0);
+    struct itimerval every = {{0, 5000}, {0, 5000}};
+    setitimer(ITIMER_REAL, &every, 0);
+}
+"""
+
+
+def test_a_kernel_that_runs_between_its_calls_is_invalid(workdir, pool):
+    kernel = f"{SIGNATURE} {{\n    inside = 1;\n    if (M == 96 && N == 96) timed = 1;\n{COMPUTE}    inside = 0;\n}}\n"
+    r = run(pool, _matmul(workdir, SPINS_WHILE_IDLE + kernel), timeout=120)
+    assert r.status is Status.INVALID and "outside its calls" in r.error, r
