@@ -40,11 +40,15 @@ class SilentReporter:
 
 
 class RichReporter:
-    """A live bar: evaluations, best fitness, coverage, evals/s and failures by status."""
+    """A live bar: evaluations, best fitness, coverage, evals/s and failures by status. Where the output is not a
+    terminal (a log, CI), a bar is not drawn until the end: a line with the same figures is printed every
+    ``log_every_s`` seconds instead."""
 
-    def __init__(self, *, unit: str, console: Console | None = None) -> None:
+    def __init__(self, *, unit: str, console: Console | None = None, log_every_s: float = 30.0) -> None:
         self.unit = unit
         self.console = console or Console(stderr=True)
+        self.log_every_s = log_every_s
+        self._logged = 0.0
         self.progress = Progress(
             TextColumn("[bold]evaluating"),
             BarColumn(),
@@ -75,6 +79,12 @@ class RichReporter:
         best_s = f"{best:.2f} {self.unit}" if best is not None else "-"
         stats = f"best {best_s} | coverage {qd['coverage']:.0%} | {rate:.2f} eval/s | failed {fails}"
         self.progress.update(self._task_id, advance=1, stats=stats)
+        now = time.monotonic()
+        if not self.console.is_terminal and now - self._logged >= self.log_every_s:
+            self._logged = now
+            task = self.progress.tasks[0]
+            of = f"/{task.total:.0f}" if task.total else ""
+            self.console.print(f"{now - self._t0:6.0f} s  {task.completed:.0f}{of} evaluated | {stats}")
 
     def note(self, message: str) -> None:
         self.progress.console.print(message)
