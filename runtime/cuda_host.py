@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from runtime.host import CandidateHost, compiled_filters, encode_args, spawn_host
+from runtime.host import CandidateHost, compiled_filters, encode_args, start_host_process
+from runtime.sandbox import owned_work_dir
 from runtime.toolchain.cuda_launch import Launch
 
 __all__ = ["FILL_KINDS", "CudaHost", "CudaHostLauncher", "RemoteBuffer", "build_cuda_host", "cuda_include_dir"]
@@ -91,7 +92,7 @@ class CudaHostLauncher:
 
     def __init__(self, cc: str, nvcc: str, cache_dir: str, work_dir: str | None = None) -> None:
         self.executable, self.ptx_path = build_cuda_host(cc, nvcc, cache_dir, work_dir)
-        self.out_dir = work_dir or tempfile.mkdtemp(prefix="evoforge-host-out-")
+        self.out_dir = work_dir or owned_work_dir()  # swept once this process is gone
         self._spawned = 0
         with open(self.ptx_path, "rb") as f:
             self.ptx = f.read()
@@ -117,7 +118,7 @@ class CudaHostLauncher:
         self._spawned += 1
         output = os.path.join(self.out_dir, f"cuda-host-{os.getpid()}-{self._spawned}.out")
         try:
-            pid = spawn_host(self._exe, [self.executable, name, str(cpu_seconds or 0)], fds, output)
+            pid = start_host_process(self._exe, [self.executable, name, str(cpu_seconds or 0)], fds, output)
         finally:
             for fd in fds:
                 os.close(fd)

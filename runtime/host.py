@@ -54,9 +54,11 @@ from typing import Any
 
 import numpy as np
 
+from runtime.sandbox import owned_work_dir
+
 __all__ = ["CandidateHost", "HostDied", "HostLauncher", "build_host", "compiled_filters", "encode_args",
-           "confine_files", "filter_available", "forward_output", "make_undumpable", "spawn_host", "SYSTEM_ROOTS",
-           "UNFILTERED"]  # fmt: skip
+           "confine_files", "filter_available", "forward_output", "make_undumpable", "start_host_process",
+           "SYSTEM_ROOTS", "UNFILTERED"]  # fmt: skip
 
 _PR_SET_DUMPABLE = 4
 _CPUCLOCK_SCHED = 2
@@ -183,7 +185,7 @@ def build_host(cc: str, cache_dir: str, work_dir: str | None = None) -> str:
     return final
 
 
-def spawn_host(executable: int, argv: Sequence[str], fds: Sequence[int], output: str) -> int:
+def start_host_process(executable: int, argv: Sequence[str], fds: Sequence[int], output: str) -> int:
     """Starts ``argv`` from the executable open at descriptor ``executable``, with ``fds`` at descriptors 3, 4,
     ... (and the executable after them), stdin ``/dev/null``, and stdout and stderr appending to the file
     ``output`` of its own: a host never holds the worker's log (whose start it could overwrite) nor any other
@@ -223,7 +225,7 @@ class HostLauncher:
     def __init__(self, cc: str = "cc", cache_dir: str | None = None, work_dir: str | None = None) -> None:
         self.cache_dir = cache_dir or tempfile.mkdtemp(prefix="evoforge-host-")
         self.executable = build_host(cc, self.cache_dir, work_dir)
-        self.out_dir = work_dir or tempfile.mkdtemp(prefix="evoforge-host-out-")
+        self.out_dir = work_dir or owned_work_dir()  # swept once this process is gone
         # Reached through a descriptor: the cache's path may be a /proc/self/fd link, which means another
         # directory in the new process. At 10 or above, so that no descriptor of the spawn overlaps another.
         exe = os.open(self.executable, os.O_RDONLY | os.O_CLOEXEC)
@@ -243,7 +245,7 @@ class HostLauncher:
         output = os.path.join(self.out_dir, f"host-{os.getpid()}-{self._spawned}.out")
         try:
             argv = [self.executable, name, str(max(1, threads)), str(cpu_seconds or 0)]
-            pid = spawn_host(self._exe, argv, [sock] if lib is None else [sock, lib], output)
+            pid = start_host_process(self._exe, argv, [sock] if lib is None else [sock, lib], output)
         finally:
             os.close(sock)
         host = CandidateHost(pid, ours, output)

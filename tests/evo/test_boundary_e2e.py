@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
 from factory_testlib import ROOT
 from probe_testlib import SECRET, SECRET_ENV
 
@@ -37,7 +38,8 @@ def _logs(where: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in where.rglob("*.log*") if p.is_file())
 
 
-def test_a_probing_kernel_sees_no_key_socket_writable_file_root_or_unfiltered_process(factory, probe, tmp_path):
+def test_a_probing_kernel_sees_no_key_socket_writable_file_root_or_unfiltered_process(factory, probe, tmp_path,
+                                                                                      monkeypatch):
     from serve_helpers import start_server, stop
 
     env = {**os.environ, "OPENAI_API_KEY": SECRET, SECRET_ENV: SECRET}
@@ -52,15 +54,14 @@ def test_a_probing_kernel_sees_no_key_socket_writable_file_root_or_unfiltered_pr
     engine = {"run_dir": str(factory / "runs" / "engine-r1"), "elite": engines[0]}
 
     fac = Path(shutil.copytree(factory, tmp_path / "fac"))  # measured and served from a copy: the fixture is shared
-    config = FactoryConfig.model_validate(__import__("yaml").safe_load((fac / "factory.yaml").read_text()))
-    os.environ.update({SECRET_ENV: SECRET, "OPENAI_API_KEY": SECRET})  # as in the factory's own environment
+    config = FactoryConfig.model_validate(yaml.safe_load((fac / "factory.yaml").read_text()))
+    for name in (SECRET_ENV, "OPENAI_API_KEY"):  # as in the factory's own environment
+        monkeypatch.setenv(name, SECRET)
     measurer = Measurer(fac, config)
     try:
         profiled, dueled = measurer.profile(engine), measurer.duel(engine, None)
     finally:
         measurer.close()
-        for name in (SECRET_ENV, "OPENAI_API_KEY"):
-            os.environ.pop(name)
     assert profiled.status.value == "ok" and dueled.status.value == "ok", (profiled.error, dueled.error)
 
     (fac / "promotions.jsonl").write_text(json.dumps({"round": 1, "run_dir": engine["run_dir"],
