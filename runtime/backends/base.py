@@ -240,8 +240,8 @@ class Profiles(abc.ABC):
 
     @abc.abstractmethod
     def profile(self) -> Measurement:
-        """Checks this candidate, then measures where its time goes on the task's texts, pinned and under the lock;
-        the metrics hold ``profile`` (:meth:`runtime.engine.profile.Profile.to_dict`). The fitness is ``None``."""
+        """Measures where its time goes on the task's texts, pinned and under the lock (after the cascade checked
+        it); the metrics hold ``profile`` (:meth:`runtime.engine.profile.Profile.to_dict`), the fitness is ``None``."""
 
 
 class Duels(abc.ABC):
