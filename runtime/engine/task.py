@@ -177,6 +177,8 @@ class EngineTask(Task):
         then with each new kernel alone in its slot."""
         start = dict(base.params) if base is not None else dict(self.seeds()[0].params)
         newest = {f"kernel_{slot}": ids[-1] for slot, ids in self.kernel_choices().items() if ids}
+        for a in reversed(added):  # a slot's new kernels come fittest first: its fittest goes in together
+            newest[f"kernel_{a['slot']}"] = a["id"][:16]
         together = Genome(params={**start, **newest})
         alone = [Genome(params={**start, f"kernel_{a['slot']}": a["id"][:16]}) for a in added]
         return [together, *(g for g in alone if g.id != together.id)]

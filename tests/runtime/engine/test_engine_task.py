@@ -200,3 +200,6 @@ def test_new_kernels_are_tried_together_and_alone_in_the_best_engine(tmp_path):
     assert alone.params == {**base.params, "kernel_gelu": b[:16]}
     for g in (together, alone):
         assert t.space().violations(g.params) == []  # both are engines of the space
+    # two new ones at once come fittest first: the fittest goes in together, not the last offered
+    together, *alone = t.offer_seeds(base, [{"slot": "gelu", "id": a}, {"slot": "gelu", "id": b}])
+    assert together.params["kernel_gelu"] == a[:16] and [g.params["kernel_gelu"] for g in alone] == [a[:16], b[:16]]
