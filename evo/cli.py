@@ -36,6 +36,12 @@ def _configure_logging(log_file: Path | None) -> None:
 @click.version_option(package_name="evoforge")
 def cli() -> None:
     """evoforge: evolve faster kernels, keep the elites, query them."""
+    from runtime import isa
+
+    try:
+        isa.level()
+    except isa.IsaError as exc:
+        raise UserError(str(exc)) from None
     # Candidate processes may run as this user: none may read this process's memory (an API key, a
     # serve key) through /proc/PID/mem. (PR_SET_DUMPABLE = 4.)
     if sys.platform.startswith("linux"):

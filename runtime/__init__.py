@@ -8,6 +8,13 @@
 - :mod:`runtime.engine`: the embedded inference engine; :mod:`runtime.tasks`: the built-in kernel tasks.
 """
 
+from runtime import isa
+
+try:  # before numpy and the BLAS load: a run under EVOFORGE_CPU_ISA caps them, and its workers inherit it
+    isa.cap_libraries()
+except isa.IsaError:
+    pass  # said in one line by the command that runs (evo's entry point checks the level)
+
 from runtime.backends import Backend, BackendUnavailable, UnsupportedStage, backend_for
 from runtime.executor import EvalRequest, Executor
 from runtime.hardware import fingerprint

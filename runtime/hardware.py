@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from runtime import isa
+
 __all__ = ["RELEVANT_CPU_FLAGS", "cpu_flags", "fingerprint"]
 
 RELEVANT_CPU_FLAGS = (
@@ -41,8 +43,9 @@ def _cpuinfo() -> tuple[str, list[str]]:
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (``/proc/cpuinfo``), e.g. ``avx512_bf16``; empty where they cannot be read."""
-    return frozenset(_cpuinfo()[1])
+    """This CPU's feature flags (``/proc/cpuinfo``), e.g. ``avx512_bf16``, less those ``EVOFORGE_CPU_ISA`` masks
+    (:mod:`runtime.isa`); empty where they cannot be read."""
+    return isa.masked(_cpuinfo()[1])
 
 
 def _blas() -> dict[str, Any]:
@@ -69,6 +72,7 @@ def fingerprint(cc: str = "cc") -> dict[str, Any]:
     from runtime.toolchain.cc import CompilerNotFound, compiler_version
 
     model, flags = _cpuinfo()
+    flags = sorted(isa.masked(flags))
     try:
         compiler: str | None = compiler_version(cc)
     except CompilerNotFound:
@@ -86,5 +90,7 @@ def fingerprint(cc: str = "cc") -> dict[str, Any]:
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
     }
+    if isa.level() != "native":  # acting as a CPU with fewer instruction sets: not this CPU's figures
+        info["isa"] = isa.level()
     info["id"] = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
     return info

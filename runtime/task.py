@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -141,14 +141,21 @@ class Task(abc.ABC):
 @dataclass(frozen=True)
 class Slot:
     """An operator slot of the engine (``runtime.engine.ops.SLOTS``) that a kernel task's elites fill, and what
-    they need there: a CPU flag without which the slot leaves them out (``None``: none), and the multiples
-    of a GEMM's inner and output sizes they take (the ``linear`` slot; other shapes run in numpy)."""
+    they need there: the CPU flags without any of which the slot leaves them out, and the multiples
+    of a GEMM's inner and output sizes they take (the ``linear`` slot; other shapes run in numpy). A task
+    that needs fewer instructions than another of the slot ``stands_in_for`` it: it is searched only on a
+    CPU that cannot run the other."""
 
     name: str
-    cpu_flag: str | None = None
+    cpu_flags: tuple[str, ...] = ()
     k_multiple: int = 1
     n_multiple: int = 1
+    stands_in_for: str | None = None
 
+
+    def missing(self, flags: Collection[str]) -> list[str]:
+        """The flags this slot's kernels need that ``flags`` (a CPU's) lack."""
+        return [f for f in self.cpu_flags if f not in flags]
 
 class KernelTask(Task):
     """Base class of kernel tasks: a parametric source, checked against a reference on fresh inputs and
@@ -289,6 +296,8 @@ BUILTIN_TASKS: dict[str, str] = {
     "gelu": "runtime.tasks.gelu:Gelu",
     "linear_bf16": "runtime.tasks.linear_bf16:LinearBf16",
     "linear_int8": "runtime.tasks.linear_int8:LinearInt8",
+    "linear_int8_avx2": "runtime.tasks.linear_int8_avx2:LinearInt8Avx2",
+    "linear_f32": "runtime.tasks.linear_f32:LinearF32",
     "matmul_cuda": "runtime.tasks.matmul_cuda:MatmulCuda",
     "softmax_cuda": "runtime.tasks.softmax_cuda:SoftmaxCuda",
     "engine": "runtime.engine.task:EngineTask",

@@ -21,10 +21,12 @@ def _shapes(task: str, model: ModelConfig) -> tuple[dict[str, int], list[str], l
         return {"rows": 2048, "cols": i}, ["vector_width"], [4]
     if task == "softmax":  # rows of attention scores over a typical padded batch length
         return {"rows": 4096, "cols": min(128, model.max_tokens)}, ["vector_width", "rows_per_block"], [4, 4]
-    if task == "linear_bf16":
-        return {"m": 256, "k": h, "n": i}, ["c_block_floats"], [4]
-    if task == "linear_int8":
-        return {"m": 256, "k": h, "n": i}, ["c_block_ints"], [4]
+    from runtime.task import load_task_class
+    from runtime.tasks._linear import LinearTask
+
+    cls = load_task_class(task)
+    if issubclass(cls, LinearTask):  # every linear task: a batch of 256 tokens through the feed-forward up GEMM
+        return {"m": 256, "k": h, "n": i}, [cls.block[0]], [4]
     raise ValueError(f"the factory has no kernel search for task {task!r}")
 
 

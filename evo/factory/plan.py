@@ -46,11 +46,14 @@ def slot_tasks_for(slot: str, cpu_flags: Sequence[str], hidden: int, intermediat
     from runtime.engine.ops import slot_task, tasks_of_slot
 
     tasks, reasons = [], []
-    for name in tasks_of_slot(slot):
-        spec = slot_task(slot, name).slot
+    specs = {name: slot_task(slot, name).slot for name in tasks_of_slot(slot)}
+    for name, spec in specs.items():
         assert spec is not None
-        if spec.cpu_flag is not None and spec.cpu_flag not in cpu_flags:
-            reasons.append(f"{name} needs {spec.cpu_flag}, which this CPU lacks")
+        original = specs.get(spec.stands_in_for or "")
+        if missing := spec.missing(cpu_flags):
+            reasons.append(f"{name} needs {' and '.join(missing)}, which this CPU lacks")
+        elif original is not None and not original.missing(cpu_flags):
+            reasons.append(f"{name} stands in for {spec.stands_in_for}, which this CPU runs")
         elif slot == "linear" and (hidden % spec.k_multiple or intermediate % spec.k_multiple
                                    or hidden % spec.n_multiple or intermediate % spec.n_multiple):  # fmt: skip
             reasons.append(f"{name} takes sizes in multiples of {spec.k_multiple} (k) and {spec.n_multiple} (n); "

@@ -179,10 +179,10 @@ def _packed_linear(kernel: CKernel, task: KernelTask) -> Callable[..., np.ndarra
 
     spec = task.slot
     assert spec is not None
-    if spec.cpu_flag is not None and spec.cpu_flag not in cpu_flags():
+    if missing := spec.missing(cpu_flags()):
         # an elite evolved on another machine: its instructions would kill the process (SIGILL) here
         log.warning("linear slot: this CPU has no %s: the kernel %s is not used, the GEMMs run in fp32 BLAS",
-                    spec.cpu_flag, os.path.basename(kernel.path))
+                    " or ".join(missing), os.path.basename(kernel.path))
         return lambda x, w, b=None: np_linear(x, w, b) if b is not None else x @ w
     packed: dict[int, tuple[np.ndarray, tuple[np.ndarray, ...]]] = {}
     zeros: dict[int, np.ndarray] = {}

@@ -18,7 +18,7 @@ from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param
 from runtime.task import Case, Descriptor, KernelTask, TaskArgs
 from runtime.tasks._common import load_c_source
 
-__all__ = ["MINILM_SHAPES", "LinearArgs", "LinearTask"]
+__all__ = ["MINILM_SHAPES", "Avx2LinearTask", "LinearArgs", "LinearTask"]
 
 MINILM_SHAPES: tuple[tuple[int, int], ...] = ((384, 1152), (384, 384), (384, 1536), (1536, 384))
 """MiniLM's ``(k, n)``: fused QKV projection, attention output, feed-forward up and down."""
@@ -131,3 +131,34 @@ class LinearTask(KernelTask):
                 1024.0,
             ),
         }
+
+
+class Avx2LinearTask(LinearTask):
+    """A linear task whose template is an AVX2 register tile: 8 columns a vector and 16 vector registers, no
+    AMX. It runs on every x86-64 CPU of the last decade (AMD Zen 2 and 3 have no AVX-512), and is the
+    sibling of an AVX-512 task of the same slot. The genome is the tile and the panel."""
+
+    isa = "AVX2"
+    registers: ClassVar[str] = "MR * NR + NR <= 14"  # the tile's accumulators and B vectors in 16 registers
+
+    def space(self) -> ParamSpace:
+        """The register tile (its accumulators, B vectors and broadcast A fit 16 registers: :attr:`registers`),
+        the unroll over k and the panel."""
+        name, low, high = self.panel
+        return ParamSpace(
+            {
+                "MR": IntParam(type="int", low=1, high=8),
+                "NR": IntParam(type="int", low=1, high=4),
+                "KU": Pow2Param(type="pow2", low=1, high=8),
+                name: Pow2Param(type="pow2", low=low, high=high),
+            },
+            [self.registers, "MR * NR >= 2"],
+        )
+
+    def descriptors(self) -> dict[str, Descriptor]:
+        name, what = self.block
+        return {
+            **KernelTask.descriptors(self),
+            name: Descriptor(name, f"{what} accumulated per block: MR * NR * 8",
+                             lambda g, m: float(g.params.get("MR", 1) * g.params.get("NR", 1) * 8), 0.0, 256.0),
+        }  # fmt: skip

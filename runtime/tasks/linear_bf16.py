@@ -63,7 +63,7 @@ class LinearBf16(LinearTask):
         "(W[kk,j] = wp[((kk/2)*n + j)*2 + kk%2]), y fp32 row-major; k % 32 == 0, n % 16 == 0, any m >= 1"
     )
     signature = "void kernel(int m, int n, int k, const float *x, const uint16_t *wp, const float *bias, float *y)"
-    slot = Slot("linear", cpu_flag="avx512_bf16", k_multiple=32, n_multiple=16)
+    slot = Slot("linear", cpu_flags=("avx512_bf16",), k_multiple=32, n_multiple=16)
     Args = LinearBf16Args
     args: LinearBf16Args
     isa = "AVX512"

@@ -109,7 +109,7 @@ class LinearInt8(LinearTask):
         "void kernel(int m, int n, int k, const float *x, const int8_t *wq, const float *w_scale, "
         "const int32_t *w_colsum, const float *bias, float *y)"
     )
-    slot = Slot("linear", cpu_flag="avx512_vnni", k_multiple=64, n_multiple=16)
+    slot = Slot("linear", cpu_flags=("avx512_vnni",), k_multiple=64, n_multiple=16)
     Args = LinearInt8Args
     args: LinearInt8Args
     isa = "VNNI"

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime import isa
 from runtime.settings import CompilerSettings
 
 __all__ = [
@@ -124,7 +125,8 @@ def compile_source(
     ``work_dir`` holds the compiler's input and output before the atomic rename into the cache.
     Raises :class:`CompileError` (with the compiler's message) or :class:`CompilerNotFound`.
     """
-    flags = [*compiler.flags, *extra_flags, "-shared", "-fPIC"]
+    own = [isa.march() if f == "-march=native" else f for f in compiler.flags]  # EVOFORGE_CPU_ISA's level
+    flags = [*own, *extra_flags, "-shared", "-fPIC"]
     key = cache_key(source, flags, compiler_version(compiler.cc))
     final = os.path.join(cache_dir, f"{key}.so")
     if os.path.exists(final):

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "runtime" / "engine"))
 sys.path.insert(0, str(ROOT / "tests" / "serving"))
 
-FLAGS = ["avx512_bf16", "avx512_vnni", "avx512f"]
+FLAGS = ["avx", "avx2", "fma", "avx512_bf16", "avx512_vnni", "avx512f"]
+AVX2 = ["avx", "avx2", "fma", "f16c", "bmi1", "bmi2"]  # x86-64-v3: AMD Zen 2 and 3, Intel Haswell
 
 
 def _profile(**seconds: float) -> Profile:
@@ -49,13 +50,14 @@ def test_the_plan_follows_what_each_slot_could_save():
     small = make_plan(1, profile, config.model_copy(update={"budget": config.budget.model_copy(
         update={"kernel_evals": 8})}), cpu_flags=FLAGS, hidden=384, intermediate=1536)  # fmt: skip
     assert {s.task: s.evals for s in small.searches if s.slot == "linear"} == {"linear_bf16": 4, "linear_int8": 4}
-    # a CPU without the instructions: the linear slot gets no search, and the plan says why
-    plain = make_plan(1, profile, config, cpu_flags=["avx2"], hidden=384, intermediate=1536)
-    assert "linear" not in {s.slot for s in plain.searches}
-    assert "linear_bf16 needs avx512_bf16" in plain.skipped["linear"] and "avx512_vnni" in plain.skipped["linear"]
-    # only VNNI: the int8 kernels; a model whose sizes fit neither linear task: none
-    vnni = make_plan(1, profile, config, cpu_flags=["avx512_vnni"], hidden=384, intermediate=1536)
-    assert [(s.task, s.evals) for s in vnni.searches if s.slot == "linear"] == [("linear_int8", 40)]
+    # the AVX2 siblings stand in for the AVX-512 tasks only where the CPU lacks those
+    assert not {"linear_int8_avx2", "linear_f32"} & {s.task for s in plan.searches}
+    plain = make_plan(1, profile, config, cpu_flags=AVX2, hidden=384, intermediate=1536)
+    assert {s.task: s.evals for s in plain.searches if s.slot == "linear"} == {"linear_int8_avx2": 20,
+                                                                                 "linear_f32": 20}  # fmt: skip
+    # only VNNI (and AVX2): the int8 kernels, and fp32 in bf16's place; sizes that fit no linear task: none
+    vnni = make_plan(1, profile, config, cpu_flags=[*AVX2, "avx512_vnni"], hidden=384, intermediate=1536)
+    assert [s.task for s in vnni.searches if s.slot == "linear"] == ["linear_int8", "linear_f32"]
     odd = make_plan(1, profile, config, cpu_flags=FLAGS, hidden=96, intermediate=200)
     assert "the model's are 96 and 200" in odd.skipped["linear"]
     # a search that stagnated is stopped; one with no figure yet goes on

@@ -246,6 +246,61 @@ def test_engine_with_an_int8_linear_slot_is_measured_against_the_floor(model, se
     assert 0.99 <= cos.min() < 0.9999
 
 
+def _avx2_points(task: str) -> list[Genome]:
+    return list(load_task_class(task)().seeds())
+
+
+@pytest.mark.parametrize("genome", _avx2_points("linear_int8_avx2"), ids=lambda g: str(g.params or "naive"))
+def test_c_linear_slot_runs_avx2_int8_kernels_on_every_weight_shape(genome, tmp_path):
+    """The AVX2 sibling answers what linear_int8 answers."""
+    from runtime.tasks.linear_int8 import int8_linear_reference, pack_int8
+
+    ops = _kernel_ops("linear", genome, str(tmp_path), "linear_int8_avx2")
+    try:
+        assert ops.matmul is ops.linear
+        for m, k, n in ((1, 384, 1152), (37, 384, 384), (70, 1536, 384), (9, 40, 48)):
+            x = RNG.standard_normal((m, k)).astype(np.float32)
+            w = (RNG.standard_normal((k, n)) * 0.05).astype(np.float32)
+            b = RNG.standard_normal(n).astype(np.float32)
+            exact = x.astype(np.float64) @ w + b
+            got = ops.linear(x, w, b)
+            if k % 32:  # outside the kernel's contract: fp32 BLAS
+                np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4)
+                continue
+            np.testing.assert_allclose(got, int8_linear_reference(x, *pack_int8(w), b), rtol=1e-5, atol=1e-5)
+            assert 1e-3 < np.abs(got - exact).max() < 0.1 * np.abs(exact).max()  # int8: close, not exact
+    finally:
+        ops.close()
+
+
+@pytest.mark.parametrize("genome", _avx2_points("linear_f32"), ids=lambda g: str(g.params or "naive"))
+def test_c_linear_slot_runs_fp32_kernels_on_every_weight_shape(genome, tmp_path):
+    ops = _kernel_ops("linear", genome, str(tmp_path), "linear_f32")
+    try:
+        for m, k, n in ((1, 384, 1152), (37, 384, 384), (70, 1536, 384), (9, 36, 48)):
+            x = RNG.standard_normal((m, k)).astype(np.float32)
+            w = (RNG.standard_normal((k, n)) * 0.05).astype(np.float32)
+            b = RNG.standard_normal(n).astype(np.float32)
+            np.testing.assert_allclose(ops.linear(x, w, b), x.astype(np.float64) @ w + b, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(ops.matmul(x, w), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+    finally:
+        ops.close()
+
+
+@pytest.mark.parametrize(("task", "low", "high"), [("linear_int8_avx2", 0.99, 0.9999), ("linear_f32", 0.99999, 1.01)])
+def test_engine_with_an_avx2_linear_slot_holds_the_floor(task, low, high, model, sentences, reference_embeddings,
+                                                          tmp_path):
+    """Every weight GEMM through an AVX2 kernel: int8 stays above the default similarity floor (0.99), fp32
+    matches the reference."""
+    ops = _kernel_ops("linear", _avx2_points(task)[1], str(tmp_path), task)
+    try:
+        got = embed_sorted(model, sentences, ops)
+    finally:
+        ops.close()
+    cos = np.sum(got * reference_embeddings, axis=1)
+    assert low <= cos.min() < high, cos.min()
+
+
 def test_a_bf16_elite_on_a_cpu_without_bf16_falls_back_to_fp32(tmp_path, monkeypatch, caplog):
     """An elite evolved elsewhere must not kill the process with SIGILL: its GEMMs run in fp32 BLAS."""
     import runtime.hardware
