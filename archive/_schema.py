@@ -4,6 +4,10 @@ A run is one file a user can open with ``sqlite3``::
 
     sqlite3 runs/x/archive.db "SELECT id, fitness, unit FROM candidates WHERE status='ok'
                                 ORDER BY fitness DESC LIMIT 5"
+    sqlite3 runs/x/archive.db "SELECT value FROM meta WHERE key='confirmed'"   # the run's best first
+
+Figures confirmed after the search were measured in another phase of the machine than those recorded
+during it, so the run's best are the ids in ``meta`` key ``confirmed`` (in order), then the fittest others.
 
 ``candidates.seq`` is the rowid (order of creation), so appending a candidate appends to the table;
 ``id`` (the genome id) is ``UNIQUE``. JSON columns hold JSON text (``json_extract`` works on them).

@@ -34,6 +34,7 @@ PendingEntry = tuple[Genome, Sequence[str], str]
 """``(genome, parent ids, operator name)``: one candidate for :meth:`Store.add_pending_many`."""
 
 _BATCH = 500  # ids per ``IN (...)`` and rows per page when iterating
+CONFIRMED_KEY = "confirmed"  # meta: JSON list of the confirmed candidates' ids, best first
 
 
 class Store(LLMRecords):
@@ -153,12 +154,15 @@ class Store(LLMRecords):
         """
         self._write_result(id, result, descriptors, "pending")
 
-    def revise_result(self, id: str, result: EvalResult, *, descriptors: dict[str, float] | None = None) -> None:
+    def revise_result(self, id: str, result: EvalResult, *, descriptors: dict[str, float] | None = None,
+                      confirmed: Sequence[str] | None = None) -> None:  # fmt: skip
         """Replaces an ok candidate's result with what its confirmation measured (fresh evaluations after
-        the search), keeping its place in the evaluation order. Any other candidate raises :class:`StoreError`."""
-        self._write_result(id, result, descriptors, "ok")
+        the search), keeping its place in the evaluation order. Any other candidate raises :class:`StoreError`.
+        ``confirmed``: the run's confirmed candidates now, best first (:meth:`confirmed`), stored with it."""
+        self._write_result(id, result, descriptors, "ok", confirmed)
 
-    def _write_result(self, id: str, result: EvalResult, descriptors: dict[str, float] | None, was: str) -> None:
+    def _write_result(self, id: str, result: EvalResult, descriptors: dict[str, float] | None, was: str,
+                      confirmed: Sequence[str] | None = None) -> None:  # fmt: skip
         if result.status == Status.PENDING:
             raise ValueError("a result cannot have status 'pending'")
         fitness = result.fitness
@@ -203,6 +207,9 @@ class Store(LLMRecords):
                 if was == "pending":
                     raise StoreError(f"candidate {id[:12]} is already evaluated ({row[0]}); a result is recorded once")
                 raise StoreError(f"candidate {id[:12]} is {row[0]}: only an ok result is revised by a confirmation")
+            if confirmed is not None:
+                c.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = "
+                          "excluded.value", (CONFIRMED_KEY, json.dumps(list(confirmed))))  # fmt: skip
         if hardware_id is not None:
             self._hardware_ids.add(hardware_id)  # only once committed: a rolled-back insert must be retried
 
@@ -278,18 +285,30 @@ class Store(LLMRecords):
                 return
             last = page[-1].eval_seq or 0
 
+    def confirmed(self) -> list[str]:
+        """Ids of the candidates the run confirmed (measured again after its search), best first as the
+        confirmation ranked them; empty before any confirmation."""
+        return list(json.loads(self.get_meta(CONFIRMED_KEY) or "[]"))
+
     def best(self, k: int = 10, *, unit: str | None = None) -> list[Candidate]:
-        """The ``k`` fittest ok candidates, best first (ties: the earlier evaluation first)."""
-        if unit is None:
-            where, params = "", [k]
-        else:
-            where, params = " AND unit = ?", [unit, k]
+        """The ``k`` best ok candidates, best first: the confirmed ones (:meth:`confirmed`, in that order),
+        then the fittest others (ties: the earlier evaluation first). Confirmed figures were measured after
+        the search, in another phase of the machine, so they are ranked by the confirmation, not by
+        fitness against the figures recorded during the search."""
+        first = [c for c in self.get_many(self.confirmed())
+                 if c.status == Status.OK and c.fitness is not None and unit in (None, c.unit)][:k]  # fmt: skip
+        where, params = "", []
+        if unit is not None:
+            where, params = " AND unit = ?", [unit]
+        if first:
+            where += f" AND id NOT IN ({','.join('?' * len(first))})"
+            params += [c.id for c in first]
         # INDEXED BY: without ANALYZE statistics the planner would favour the status index and sort every
         # ok row; the partial index is already in answer order, so LIMIT k reads about k entries.
-        return self._select(
+        return first + self._select(
             "INDEXED BY candidates_best WHERE status = 'ok' AND fitness IS NOT NULL"
             f"{where} ORDER BY fitness DESC, eval_seq LIMIT ?",
-            params,
+            [*params, k - len(first)],
         )
 
     def by_status(self, status: Status | str, limit: int = 100) -> list[Candidate]:

@@ -142,7 +142,7 @@ class RunView:
         return self.store.best(k)
 
     def elite_ids(self, top: int) -> list[str]:
-        """Ids of the ``top`` fittest ok candidates, best first."""
+        """Ids of the ``top`` best ok candidates, best first (:meth:`Store.best`: the confirmed ones first)."""
         return [c.id for c in self.store.best(top)]
 
     def stored(self, cid: str) -> _runtime_runs.StoredCandidate:

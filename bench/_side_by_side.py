@@ -73,6 +73,11 @@ def _timing(seconds: float) -> TimingSettings:
                           min_seconds=min(1.0, seconds))  # fmt: skip
 
 
+def careful_settings(evaluation: EvalSettings, seconds: float) -> EvalSettings:
+    """A run's evaluation settings, timed more carefully than a search affords (up to ``seconds``), checked once."""
+    return evaluation.model_copy(update={"timing": _timing(seconds), "check_trials": 1})
+
+
 def remeasure(genome: Genome, specs: Sequence[TaskSpec], settings: EvalSettings) -> list[EvalResult]:
     """``genome`` evaluated afresh (checked, then timed against the reference) at each of ``specs``, by a
     sandboxed worker (a new one for these evaluations, its compile cache a temporary directory)."""
@@ -98,7 +103,7 @@ def side_by_side(
     if not best:
         raise SystemExit(f"no ok candidate in {rd.path}")
     cand = best[0]
-    settings = config.evaluation.model_copy(update={"timing": _timing(seconds), "check_trials": 1})
+    settings = careful_settings(config.evaluation, seconds)
     tasks = [make_task(size) for size in sizes]
     specs = [TaskSpec(name=config.task.name, args=t.args.model_dump(mode="json")) for t in tasks]
     results = []

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from archive import operator_stats, rebuild_archive
 from evo.config import RunConfig, load_config
+from evo.confirm import provenance
 from evo.errors import UserError
 from evo.rundir import RunDir
 
@@ -148,7 +149,8 @@ def _row(c: Any) -> dict[str, Any]:
 @click.option("--top", "top", default=10, show_default=True, type=click.IntRange(min=1), help="how many")
 @click.option("--json", "as_json", is_flag=True, help="print JSON (a list of objects)")
 def best(run_dir: Path, top: int, as_json: bool) -> None:
-    """The best ok candidates of a run, fittest first."""
+    """The best ok candidates of a run, best first: the confirmed ones (measured again after the search, ranked
+    by vs_reference), then the fittest others."""
     rd = _open(run_dir)
     cands = rd.store.best(top)
     if as_json:
@@ -157,13 +159,15 @@ def best(run_dir: Path, top: int, as_json: bool) -> None:
     if not cands:
         click.echo(f"no ok candidate in {run_dir} yet")
         return
-    table = Table(title=f"best of {run_dir}")
-    for col in ("#", "id", "fitness", "vs ref", "operator", "params"):
-        table.add_column(col, justify="right" if col in ("#", "fitness", "vs ref") else "left")
+    table = Table(title=f"best of {run_dir}", caption="fitness: as measured; vs_reference: the ratio to the "
+                  "reference timed beside it (normalised, what ranks the confirmed ones)")  # fmt: skip
+    for col in ("#", "id", "fitness", "vs_reference", "measured", "operator", "params"):
+        table.add_column(col, justify="right" if col in ("#", "fitness", "vs_reference") else "left")
     for i, c in enumerate(cands, 1):
         vs = c.metrics.get("vs_reference")
         params = " ".join(f"{k}={v}" for k, v in c.params.items()) or "(code genome)"
-        table.add_row(str(i), c.id[:12], f"{c.fitness:.2f} {c.unit}", f"{vs:.3f}x" if vs else "-", c.operator, params)
+        table.add_row(str(i), c.id[:12], f"{c.fitness:.2f} {c.unit}", f"{vs:.3f}x" if vs else "-",
+                      provenance(c.metrics, short=True), c.operator, params)  # fmt: skip
     Console().print(table)
 
 
@@ -195,7 +199,8 @@ def show(run_dir: Path, candidate_id: str, as_json: bool) -> None:
     con = Console()
     con.print(f"[bold]{cand.id}[/bold]  {cand.status}  operator={cand.operator}")
     if cand.fitness is not None:
-        con.print(f"fitness {cand.fitness:.3f} {cand.unit}   vs reference {cand.metrics.get('vs_reference', 0):.3f}x")
+        con.print(f"fitness {cand.fitness:.3f} {cand.unit}   vs_reference {cand.metrics.get('vs_reference', 0):.3f}x"
+                  f"   ({provenance(cand.metrics)})")
     if cand.error:
         con.print(f"[red]error:[/red] {cand.error}")
     con.print("params: " + (json.dumps(cand.params) if cand.params else "(none: code genome)"))

@@ -93,7 +93,8 @@ class ConfirmConfig(_Model):
     """The best re-measured after the search: a figure picked for being the highest is biased high."""
 
     repeats: int = Field(3, ge=0, description="fresh evaluations of the best after the search (0: none)")
-    top: int = Field(5, ge=1, description="candidates confirmed at most, while the best is not a confirmed one")
+    top: int = Field(5, ge=1, description="candidates confirmed at most, while one not yet confirmed recorded a "
+                     "higher vs_reference than the confirmed leader measured")
 
 
 class SearchConfig(_Model):

@@ -1,4 +1,4 @@
-"""Confirmation: the run's best is evaluated again after the search, and that is the figure it keeps.
+"""Confirmation: the run's best is evaluated again after the search, and what that measures is its figure.
 
 The best was picked because its figure was the highest, so its figure is biased high (the winner's
 curse); a duel checks it side by side against the best before it, but it is still crowned near its
@@ -7,34 +7,55 @@ fast and slow phases minutes long, and a kernel and its reference do not slow al
 taken early in a run may not hold later even as a ratio to the reference: what the run reports must
 be measured when the run ends. So once the search stops, the best is evaluated ``repeats`` more
 times, each in a fresh host, on fresh inputs, as any candidate is, and its result becomes the
-median of those (on the run's scale: :func:`confirmed_result`). If that ranks it below another
-candidate whose figure is not confirmed, that one is confirmed in turn, up to ``top`` candidates. A
-best that fails its confirmation (wrong, invalid, crashed) takes that failure as its result: a figure
-that cannot be measured again is not a best.
+median of those (:func:`confirmed_result`): a figure in the task's unit is always one that was
+measured, never one scaled from another.
+
+Ranking. The search ranks by fitness as it goes (a duel keeps each new best comparable with the one it
+beats); the confirmed figures are measured later, in another phase of the machine, so their fitness
+is not comparable with the figures recorded during the search. What is comparable across phases is
+``vs_reference``, the ratio to the reference timed beside the kernel each time. So the confirmation
+walks down the run's ranking: while the best candidate not yet confirmed outranks the confirmed leader
+(:func:`outranks`: by ``vs_reference``), it is confirmed in turn, up to ``top`` candidates; and the
+confirmed candidates rank among themselves by ``vs_reference`` where every one has it, else by fitness
+(:func:`ranked`). The store keeps that order, and its best are the confirmed candidates first
+(:meth:`archive.Store.best`). A best that fails its confirmation (wrong, invalid, crashed) takes that
+failure as its result: a figure that cannot be measured again is not a best.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any, Protocol, TypeVar
 
 from runtime.result import EvalResult, Status
 
-__all__ = ["CONFIRMED", "confirmed_result"]
+__all__ = ["CONFIRMED", "confirmed_result", "outranks", "provenance", "ranked"]
 
 CONFIRMED = "confirmed"  # the metrics key a confirmed result carries
+
+
+class _Figures(Protocol):
+    """A result or a stored candidate: what ranking reads."""
+
+    @property
+    def fitness(self) -> float | None: ...
+    @property
+    def metrics(self) -> Mapping[str, Any]: ...
+
+
+_C = TypeVar("_C", bound=_Figures)
 
 
 def confirmed_result(recorded: EvalResult, again: Sequence[EvalResult]) -> EvalResult:
     """The result a candidate recorded as ``recorded`` keeps after its re-evaluations ``again``.
 
-    All ok: the re-evaluation with the median ``vs_reference`` (the lower middle one for an even count:
-    a real measurement, whose metrics agree), with the recorded duel note and ``metrics["confirmed"]``
-    listing every figure. Its fitness is the recorded one scaled by the confirmed ``vs_reference`` over
-    the recorded one: the ratio to the reference, timed beside it each time, is what holds when the
-    machine's speed drifts (as in a duel), so the confirmed figure stays comparable with the rest of the
-    run's. Where either has no ``vs_reference``, the median fitness itself. Any failure: the first
-    failure, with the same note.
+    All ok: the re-evaluation with the median fitness (the lower middle one for an even count), as it
+    was measured: its fitness, its own ``vs_reference`` (not a median of the ratios: the two come from
+    one timing, beside one run of the reference) and every other metric of it, with the recorded duel
+    note and ``metrics["confirmed"]`` listing every figure and the recorded ones. Nothing is scaled: a
+    recorded figure that was high because the reference ran fast in its phase (a low recorded ratio)
+    does not lift what is measured now. Any failure: the first failure, with the same note.
     """
     if not again:
         raise ValueError("a confirmation needs at least one re-evaluation")
@@ -50,16 +71,39 @@ def confirmed_result(recorded: EvalResult, again: Sequence[EvalResult]) -> EvalR
     if failed:
         first = failed[0]
         return replace(first, fitness=None, metrics={**first.metrics, **kept, CONFIRMED: note})
-    claim = _ratio(recorded)
-    by_ratio = claim is not None and recorded.fitness is not None and all(_ratio(r) is not None for r in again)
-    ranked = sorted(again, key=lambda r: (_ratio(r) if by_ratio else r.fitness) or 0.0)
-    median = ranked[(len(ranked) - 1) // 2]
-    fitness = median.fitness
-    if by_ratio:
-        fitness = (recorded.fitness or 0.0) * (_ratio(median) or 0.0) / (claim or 1.0)
-    return replace(median, fitness=fitness, metrics={**median.metrics, **kept, CONFIRMED: note})
+    by_fitness = sorted(again, key=lambda r: r.fitness or 0.0)
+    median = by_fitness[(len(by_fitness) - 1) // 2]
+    return replace(median, metrics={**median.metrics, **kept, CONFIRMED: note})
 
 
-def _ratio(result: EvalResult) -> float | None:
+def provenance(metrics: Mapping[str, Any], *, short: bool = False) -> str:
+    """Where a stored figure comes from, in words, for whatever shows it beside the figure (``short``: a
+    table cell, ``confirmed x3`` or ``search``)."""
+    note = metrics.get(CONFIRMED)
+    if isinstance(note, Mapping):
+        n = len(note.get("fitness") or ())
+        return f"confirmed x{n}" if short else f"confirmed: the median of {n} fresh evaluations after the search"
+    return "search" if short else "recorded during the search (not confirmed)"
+
+
+def outranks(challenger: _Figures, leader: _Figures) -> bool:
+    """Whether ``challenger`` ranks above ``leader``: by ``vs_reference`` where both have one (comparable
+    across the machine's phases), else by fitness. A tie keeps the leader."""
+    a, b = _ratio(challenger), _ratio(leader)
+    if a is not None and b is not None:
+        return a > b
+    return (challenger.fitness or 0.0) > (leader.fitness or 0.0)
+
+
+def ranked(confirmed: Sequence[_C]) -> list[_C]:
+    """Confirmed candidates best first: by ``vs_reference`` where every one has it, else by fitness (a
+    stable sort: ties keep their order)."""
+    if all(_ratio(c) is not None for c in confirmed):
+        return sorted(confirmed, key=lambda c: -(_ratio(c) or 0.0))
+    return sorted(confirmed, key=lambda c: -(c.fitness or 0.0))
+
+
+def _ratio(result: _Figures) -> float | None:
+    """The result's ratio to the reference timed beside it, ``None`` where it has none."""
     vs = result.metrics.get("vs_reference")
     return float(vs) if isinstance(vs, (int, float)) and vs > 0 else None

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from evo.confirm import provenance
 from runtime import EvalResult, Status
 
 if TYPE_CHECKING:
@@ -105,8 +106,9 @@ class RichReporter:
         if best is not None:
             vs = best.metrics.get("vs_reference")
             table.add_row("best kernel", best.id[:12])
-            table.add_row("fitness", f"{best.fitness:.2f} {best.unit}")
-            table.add_row("vs reference", f"{vs:.3f}x" if vs is not None else "-")
+            table.add_row("fitness", f"{best.fitness:.2f} {best.unit}, {provenance(best.metrics)}")
+            table.add_row("vs_reference", f"{vs:.3f}x (normalised: the ratio to the reference timed beside it)"
+                          if vs is not None else "-")  # fmt: skip
             table.add_row("params", ", ".join(f"{k}={v}" for k, v in best.params.items()) or "(code genome)")
         else:
             table.add_row("best kernel", "none: no candidate passed its checks")

@@ -23,7 +23,7 @@ import yaml
 from archive import OFFERS_KEY, AddStatus, Candidate, Store, StoreError, read_run, rebuild_archive
 from evo.budget import Budget
 from evo.config import RunConfig
-from evo.confirm import CONFIRMED, confirmed_result
+from evo.confirm import confirmed_result, outranks, ranked
 from evo.duel import settle, wants_duel
 from evo.memory_link import MemoryLink
 from evo.operators import Operator, build_operators
@@ -339,48 +339,68 @@ class Search:
         return {n: float(offered[n].fn(genome, result.metrics)) for n in self.config.archive.descriptors}
 
     def _replay(self) -> None:
-        """Rebuilds archive, curiosity and best from the store (a resumed run continues where it was)."""
+        """Rebuilds archive, curiosity and best from the store (a resumed run continues where it was; its best
+        is the store's, the confirmed leader where an earlier session confirmed one)."""
         for cand in self.store.evaluated():
             self._evaluated += 1
             self.proposer.parents_of[cand.id] = list(cand.parents)
             self.proposer.op_of[cand.id] = cand.operator
             self._place(cand.id, EvalResult(status=Status(cand.status), fitness=cand.fitness), cand.descriptors)
+        if self._evaluated:
+            found = self.store.best(1)
+            self._best = found[0] if found else None
 
     # --- confirmation -------------------------------------------------------------------------
 
     def _confirm(self, executor: Executor) -> None:
-        """Evaluates the best again after the search (:mod:`evo.confirm`), until the best is a confirmed one."""
+        """Evaluates the best again after the search (:mod:`evo.confirm`): the best not yet confirmed, while
+        it outranks the confirmed leader, up to ``top`` of them."""
         repeats, top = self.config.search.confirm.repeats, self.config.search.confirm.top
         if repeats == 0:
             return
         self._pool = None  # no more duels: results still in flight are recorded as they come back
+        confirmed = set(self.store.confirmed())
+        leaders = [c for c in self.store.best(len(confirmed)) if c.id in confirmed]  # those still ok, best first
         changed = False
         for _ in range(top):
-            best = self.store.best(1)
-            if not best or CONFIRMED in best[0].metrics:
+            cand = self._unconfirmed(leaders)
+            if cand is None or (leaders and not outranks(cand, leaders[0])):
                 break
-            cand = best[0]
             self.reporter.note(f"confirming the best {cand.id[:12]} ({cand.fitness:.4g} {self.task.unit}): "
                                f"{repeats} fresh evaluations")  # fmt: skip
             again = self._evaluate_again(executor, cand, repeats)
             recorded = EvalResult(status=Status(cand.status), fitness=cand.fitness, unit=cand.unit,
                                   metrics=cand.metrics)  # fmt: skip
             result = confirmed_result(recorded, again)
-            descriptors = cand.descriptors if result.status == Status.OK else {}
-            self.store.revise_result(cand.id, result, descriptors=descriptors)
-            changed = True
+            ok = result.status == Status.OK
+            now = ranked([*leaders, dataclasses.replace(cand, fitness=result.fitness, metrics=result.metrics)]
+                         if ok else leaders)  # fmt: skip
+            self.store.revise_result(cand.id, result, descriptors=cand.descriptors if ok else {},
+                                     confirmed=[c.id for c in now])  # fmt: skip
+            leaders, changed = self.store.get_many([c.id for c in now]), True
             figures = ", ".join(f"{r.fitness:.4g}" if r.fitness is not None else str(r.status) for r in again)
+            vs = result.metrics.get("vs_reference")
             self.reporter.note(f"confirmed {cand.id[:12]}: recorded {cand.fitness:.4g}, again {figures}: "
-                               + (f"keeps {result.fitness:.4g}" if result.status == Status.OK
+                               + (f"keeps {result.fitness:.4g} {self.task.unit}, the median measured"
+                                  + (f" ({vs:.3f}x the reference)" if vs is not None else "") if ok
                                   else f"{result.status}: {result.error}"))  # fmt: skip
         else:
-            best = self.store.best(1)
-            if best and CONFIRMED not in best[0].metrics:
+            cand = self._unconfirmed(leaders)
+            if cand is not None and not leaders:
                 self.reporter.note(f"the best is not confirmed: {top} candidates were (search.confirm.top)")
-        if changed:  # the archive and the best follow the revised figures
+            elif cand is not None and outranks(cand, leaders[0]):
+                self.reporter.note(f"{cand.id[:12]} recorded a figure above the confirmed best's but is not confirmed: "
+                                   f"{top} candidates were (search.confirm.top); the best is the confirmed "
+                                   f"{leaders[0].id[:12]}")  # fmt: skip
+        if changed:  # the archive follows the revised figures
             self.archive = rebuild_archive(self.store)
-            found = self.store.best(1)
-            self._best = found[0] if found else None
+        found = self.store.best(1)  # the best is the confirmed leader where there is one
+        self._best = found[0] if found else None
+
+    def _unconfirmed(self, leaders: list[Candidate]) -> Candidate | None:
+        """The best candidate not confirmed yet, by the search's own ranking (fitness)."""
+        found = self.store.best(len(leaders) + 1)
+        return found[-1] if len(found) > len(leaders) else None
 
     def _evaluate_again(self, executor: Executor, cand: Candidate, repeats: int) -> list[EvalResult]:
         """``repeats`` fresh evaluations of ``cand``, each a request of its own (so a fresh host each)."""

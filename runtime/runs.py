@@ -40,7 +40,8 @@ class RunReader(Protocol):
     def task_args(self) -> dict[str, Any]: ...
 
     def elite_ids(self, top: int) -> list[str]:
-        """Ids of the ``top`` fittest ok candidates, best first."""
+        """Ids of the ``top`` best ok candidates, best first: those the run confirmed after its search first,
+        as it ranked them, then the fittest others."""
         ...
 
     def stored(self, cid: str) -> StoredCandidate:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from archive import Candidate, Objective, RunView, StoreError, operator_stats
+from evo.confirm import provenance
 from evo.report import figures
 
 __all__ = ["Report", "Section", "build", "document", "table"]
@@ -91,7 +92,8 @@ def _summary(view: RunView, cands: list[Candidate], best: Candidate | None) -> S
     ]
     if best is not None:
         vs = best.metrics.get("vs_reference")
-        rows += [("best", f"{best.fitness:.4g} {best.unit}" + (f" ({vs:.3f}x the reference)" if _num(vs) else "")),
+        rows += [("best", f"{best.fitness:.4g} {best.unit}" + (f" (vs_reference {vs:.3f}x)" if _num(vs) else "")),
+                 ("best's figure", provenance(best.metrics)),
                  ("best id", best.id[:16]), ("best's operator", best.operator)]  # fmt: skip
         hw = view.store.hardware(best.hardware_id) if best.hardware_id else None
         if hw:

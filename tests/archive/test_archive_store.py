@@ -104,6 +104,24 @@ def test_best_k(store: Store) -> None:
     assert not any("TEMP B-TREE" in str(r) for r in plan)  # answered from the index, no sort
 
 
+def test_best_k_puts_the_confirmed_first_in_their_order(store: Store) -> None:
+    """Figures confirmed after the search come from another phase of the machine than those recorded during
+    it: the confirmed rank first, in the order the confirmation gave, then the fittest others."""
+    for i, f in enumerate([9.0, 7.0, 5.0, 3.0]):
+        store.add_pending(genome=genome(i), operator="random")
+        store.record_result(genome(i).id, ok(f))
+    assert store.confirmed() == []
+    ids = [genome(i).id for i in range(4)]
+    store.revise_result(ids[2], ok(4.0), confirmed=[ids[2]])
+    store.revise_result(ids[3], ok(2.0), confirmed=[ids[3], ids[2]])  # the lower figure, the higher rank
+    assert store.confirmed() == [ids[3], ids[2]]
+    assert [c.id for c in store.best(10)] == [ids[3], ids[2], ids[0], ids[1]]
+    assert [c.id for c in store.best(3)] == [ids[3], ids[2], ids[0]] and [c.id for c in store.best(1)] == [ids[3]]
+    assert store.best(10, unit="GB/s") == []
+    store.revise_result(ids[3], EvalResult(status=Status.WRONG, error="max error 2"))  # out: no longer ok
+    assert [c.id for c in store.best(10)] == [ids[2], ids[0], ids[1]]
+
+
 def test_counts_and_filters(store: Store) -> None:
     ops = ["random", "mutate", "mutate", "crossover"]
     for i, op in enumerate(ops):
