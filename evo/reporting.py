@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Protocol
@@ -49,7 +50,7 @@ class RichReporter:
         self.unit = unit
         self.console = console or Console(stderr=True)
         self.log_every_s = log_every_s
-        self._logged = 0.0
+        self._logged = -math.inf  # the first update prints, however long the machine has been up
         self.progress = Progress(
             TextColumn("[bold]evaluating"),
             BarColumn(),
