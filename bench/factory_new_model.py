@@ -72,9 +72,9 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in figures["rows"]:
         vs = f"{r['vs_sentence_transformers']:.2f}x" if r["vs_sentence_transformers"] else "-"
-        bulk = f"{r['bulk']:.1f}" if r["bulk"] else "-"
-        print(f"| {r['name']} | {r['throughput']:.1f} | {vs} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {bulk} | "
-              f"{r['min_cosine']:.5f} |")
+        tput, p50, p99, bulk = (f"{r[k]:.1f}" if r[k] is not None else "-"  # a bulk-only row has no serving
+                                for k in ("throughput", "p50_ms", "p99_ms", "bulk"))
+        print(f"| {r['name']} | {tput} | {vs} | {p50} | {p99} | {bulk} | {r['min_cosine']:.5f} |")
     for measure, v in figures["versus_strongest_peer"].items():
         print(f"{measure}: {v['ours']} is {v['ratio']:.2f}x the strongest peer at min cosine >= 0.99 ({v['peer']})")
     for name, why in figures["skipped"].items():
