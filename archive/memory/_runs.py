@@ -27,8 +27,9 @@ def _task_info(name: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], str 
 
 
 def entries_from_run(run_dir: str | os.PathLike[str]) -> list[MemoryEntry]:
-    """An ``improvement`` entry per elite of the run's archive (its config gives the task; its store the
-    hardware each elite was measured on)."""
+    """An ``improvement`` entry per elite of the run's archive, and one for the run's best (its confirmed leader,
+    which need not lead its cell on the figures recorded during the search); its config gives the task, its
+    store the hardware each was measured on."""
     path = Path(run_dir)
     try:
         view = RunView(path)
@@ -43,8 +44,10 @@ def entries_from_run(run_dir: str | os.PathLike[str]) -> list[MemoryEntry]:
         except StoreError as exc:
             raise MemoryStoreError(f"{path}: {exc}") from None
         run = str(path.resolve())
+        ids = [e.id for e in elites]
+        ids += [c.id for c in view.store.best(1) if c.id not in ids]
         out = []
-        for cand in view.store.get_many([e.id for e in elites]):
+        for cand in view.store.get_many(ids):
             hardware = view.store.hardware(cand.hardware_id) if cand.hardware_id else None
             vs = cand.metrics.get("vs_reference")
             vs = float(vs) if vs is not None else None
