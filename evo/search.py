@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,7 @@ class Search:
         self.workers = getattr(executor, "slots", self.workers)  # a cluster's slots are its nodes'
         self.reporter.start(total=self.config.budget.max_evals, done=self._evaluated, workers=self.workers)
         self.reporter.note(
-            f"run dir {self.run_dir.path}: task {self.task.name} {dict(self.config.task.args)}, "
+            f"run dir {self.run_dir.path}: task {self.task.name} {_brief(self.config.task.args)}, "
             f"{self.workers} workers, {len(queue)} queued ({resumed} resumed), fitness in {self.task.unit}"
         )
         if self.config.llm is None:
@@ -437,3 +438,10 @@ class Search:
         if self.proposer.bandit is not None:
             self.store.add_bandit_weights(evals=self._evaluated, elapsed_s=elapsed,
                                           weights=self.proposer.bandit.shares())
+
+
+def _brief(args: Mapping[str, Any], width: int = 80) -> str:
+    """A task's arguments for a log line: each value cut to ``width`` characters (an engine task's grow with the
+    source of every kernel offered; the log is no place for candidate code)."""
+    shown = {k: (r if len(r := repr(v)) <= width else r[: width - 3] + "...") for k, v in args.items()}
+    return "{" + ", ".join(f"{k!r}: {v}" for k, v in shown.items()) + "}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -38,7 +39,8 @@ def make_run(root: Path) -> Path:
 
 
 def add_best(run: Path) -> str:
-    """Records a new, fitter candidate in the run (as a search would) and returns its id."""
+    """Records a new, fitter candidate in the run and confirms it as the run's leader (as a resumed search would
+    once its session ends) and returns its id."""
     store = Store(run)
     try:
         best = store.best(1)[0]
@@ -47,6 +49,7 @@ def add_best(run: Path) -> str:
         store.record_result(genome.id, EvalResult(status=Status.OK, fitness=(best.fitness or 1.0) * 10, unit=best.unit,
                                                   metrics={"vs_reference": 9.0}),
                             descriptors=best.descriptors)  # fmt: skip
+        store.set_meta("confirmed", json.dumps([genome.id, *store.confirmed()]))
         return genome.id
     finally:
         store.close()

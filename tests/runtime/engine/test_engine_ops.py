@@ -362,7 +362,7 @@ def test_a_users_task_declares_its_slot_and_how_it_is_called(tmp_path, monkeypat
     """One task class is all a new slot kernel needs: the slot calls it in the task's own argument order."""
     (tmp_path / "my_slot_task.py").write_text(_USER_TASK)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert tasks_of_slot("linear") == ("linear_bf16", "linear_int8")  # declared by the built-in tasks
+    assert tasks_of_slot("linear") == ("linear_bf16", "linear_int8", "linear_int8_avx2", "linear_f32")  # built-ins
     assert tasks_of_slot("softmax") == ("softmax",)
     ops = _kernel_ops("softmax", Genome(params={}), str(tmp_path), "my_slot_task:ReorderedSoftmax")
     try:
