@@ -207,21 +207,31 @@ def _int8_points() -> list[Genome]:
     return points
 
 
-@needs_vnni
-@pytest.mark.parametrize("genome", _int8_points(), ids=lambda g: str(g.params.get("ISA", "naive")))
-def test_c_linear_slot_runs_int8_kernels_on_every_weight_shape(genome, tmp_path):
+def _int8_cases() -> list:
+    """(task, point) of both int8 tasks: linear_int8's where the CPU has VNNI, linear_int8_avx2's everywhere
+    (the same arithmetic: it answers what linear_int8 answers)."""
+    vnni = [pytest.param("linear_int8", g, marks=needs_vnni, id=f"vnni-{g.params.get('ISA', 'naive')}")
+            for g in _int8_points()]  # fmt: skip
+    avx2 = [pytest.param("linear_int8_avx2", g, id=f"avx2-{'tile' if g.params else 'naive'}")
+            for g in load_task_class("linear_int8_avx2")().seeds()]  # fmt: skip
+    return vnni + avx2
+
+
+@pytest.mark.parametrize(("task", "genome"), _int8_cases())
+def test_c_linear_slot_runs_int8_kernels_on_every_weight_shape(task, genome, tmp_path):
     from runtime.tasks.linear_int8 import int8_linear_reference, pack_int8
 
-    ops = _kernel_ops("linear", genome, str(tmp_path), "linear_int8")
+    multiple = load_task_class(task).slot.k_multiple
+    ops = _kernel_ops("linear", genome, str(tmp_path), task)
     try:
         assert ops.matmul is ops.linear
-        for m, k, n in ((1, 384, 1152), (37, 384, 384), (70, 1536, 384), (9, 32, 48)):
+        for m, k, n in ((1, 384, 1152), (37, 384, 384), (70, 1536, 384), (9, 40, 48)):
             x = RNG.standard_normal((m, k)).astype(np.float32)
             w = (RNG.standard_normal((k, n)) * 0.05).astype(np.float32)
             b = RNG.standard_normal(n).astype(np.float32)
             exact = x.astype(np.float64) @ w + b
             got = ops.linear(x, w, b)
-            if k % 64:  # outside the kernel's contract: fp32 BLAS
+            if k % multiple:  # outside the kernel's contract: fp32 BLAS
                 np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4)
                 continue
             np.testing.assert_allclose(got, int8_linear_reference(x, *pack_int8(w), b), rtol=1e-5, atol=1e-5)
@@ -248,29 +258,6 @@ def test_engine_with_an_int8_linear_slot_is_measured_against_the_floor(model, se
 
 def _avx2_points(task: str) -> list[Genome]:
     return list(load_task_class(task)().seeds())
-
-
-@pytest.mark.parametrize("genome", _avx2_points("linear_int8_avx2"), ids=lambda g: str(g.params or "naive"))
-def test_c_linear_slot_runs_avx2_int8_kernels_on_every_weight_shape(genome, tmp_path):
-    """The AVX2 sibling answers what linear_int8 answers."""
-    from runtime.tasks.linear_int8 import int8_linear_reference, pack_int8
-
-    ops = _kernel_ops("linear", genome, str(tmp_path), "linear_int8_avx2")
-    try:
-        assert ops.matmul is ops.linear
-        for m, k, n in ((1, 384, 1152), (37, 384, 384), (70, 1536, 384), (9, 40, 48)):
-            x = RNG.standard_normal((m, k)).astype(np.float32)
-            w = (RNG.standard_normal((k, n)) * 0.05).astype(np.float32)
-            b = RNG.standard_normal(n).astype(np.float32)
-            exact = x.astype(np.float64) @ w + b
-            got = ops.linear(x, w, b)
-            if k % 32:  # outside the kernel's contract: fp32 BLAS
-                np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4)
-                continue
-            np.testing.assert_allclose(got, int8_linear_reference(x, *pack_int8(w), b), rtol=1e-5, atol=1e-5)
-            assert 1e-3 < np.abs(got - exact).max() < 0.1 * np.abs(exact).max()  # int8: close, not exact
-    finally:
-        ops.close()
 
 
 @pytest.mark.parametrize("genome", _avx2_points("linear_f32"), ids=lambda g: str(g.params or "naive"))
