@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, MutableMapping
 
-__all__ = ["ENV", "LEVELS", "cap_libraries", "level", "march", "masked"]
+__all__ = ["ENV", "LEVELS", "IsaError", "cap_libraries", "level", "march", "masked"]
 
 ENV = "EVOFORGE_CPU_ISA"
 
