@@ -7,8 +7,9 @@ whatever the path that produced it. A task states its ceiling in terms of this p
 The peak is measured, never assumed: independent chains of fused multiply-adds on the widest vectors the
 compiler targets here (``-march=native``), enough of them to cover the FMA latency on every core we
 know, timed in this process (the worker, which never runs candidate code) with the machine's timing lock
-held. The best of several runs counts: a measurement can only come out low (another process on the core),
-never high, so the best is the one to trust.
+held. The best of several runs counts: a measurement can only come out low (another process on the core, or
+on its other hardware thread, sharing the FMA units), never high, so the best is the one to trust. The runs
+are spread over about a tenth of a second, so that one burst of a neighbour's work does not cover them all.
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ int evoforge_fma_flops_per_iter(void) { return 2 * N * W; }
 """
 
 _RUN_S = 2e-3
+_GAP_S = 8e-3  # between runs: a neighbour's burst on the sibling hardware thread rarely spans them all
 
 
-def fma_peak_gflops(cache_dir: str, work_dir: str | None = None, *, cc: str = "cc", runs: int = 7) -> float:
-    """GFLOP/s of fp32 fused multiply-adds on this core: the best of ``runs`` timings of about 2 ms each (call it
-    pinned, with the timing lock held)."""
+def fma_peak_gflops(cache_dir: str, work_dir: str | None = None, *, cc: str = "cc", runs: int = 12) -> float:
+    """GFLOP/s of fp32 fused multiply-adds on this core: the best of ``runs`` timings of about 2 ms each, 8 ms
+    apart (call it pinned, with the timing lock held)."""
     from runtime.toolchain.cc import compile_source
 
     flags = ["-O2", "-march=native", "-ffp-contract=fast"]
@@ -74,7 +76,9 @@ def fma_peak_gflops(cache_dir: str, work_dir: str | None = None, *, cc: str = "c
         iters *= 4
     iters = max(1, int(iters * _RUN_S / spent))
     best = 0.0
-    for _ in range(runs):
+    for run in range(runs):
+        if run:
+            time.sleep(_GAP_S)
         t0 = time.perf_counter()
         chains(iters, 1.0)
         best = max(best, per_iter * iters / (time.perf_counter() - t0) / 1e9)

@@ -29,9 +29,11 @@ def test_the_measured_peak_is_above_what_blas_reaches_and_the_same_twice(workdir
             t0 = time.perf_counter()
             a @ a
             best = max(best, 2 * 512**3 / (time.perf_counter() - t0) / 1e9)
-    assert best < peak * 1.15, (best, peak)  # BLAS cannot beat the FMA units: the peak is not measured low
     again = fma_peak_gflops(cache, workdir)
     assert 0.6 < again / peak < 1.6, (peak, again)
+    # BLAS cannot beat the FMA units: the peak is not measured low. As the cascade does before it refuses a
+    # figure, the higher of two measurements counts (a sibling hardware thread's burst can halve one).
+    assert best < max(peak, again) * 1.15, (best, peak, again)
 
 
 def test_a_fitness_beyond_the_machines_reach_is_invalid(ctx):
