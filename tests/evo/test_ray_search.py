@@ -48,6 +48,15 @@ def _evo(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedPro
                           timeout=timeout)  # fmt: skip
 
 
+def _settled(run: Path) -> int:
+    """How many of a live run's candidates are evaluated; 0 while its store is not created yet (the file exists a
+    moment before its tables do)."""
+    try:
+        return sum(1 for r in _rows(run) if r[1] != "pending")
+    except sqlite3.OperationalError:
+        return 0
+
+
 def _rows(run: Path) -> list[tuple[str, str, int | None, dict]]:
     with sqlite3.connect(run / "archive.db") as db:
         return [(cid, status, seq, json.loads(m or "{}")) for cid, status, seq, m in
@@ -77,7 +86,7 @@ def test_a_driver_killed_mid_run_resumes_on_the_cluster(cluster, tmp_path):
                               start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        if (run / "archive.db").exists() and sum(1 for r in _rows(run) if r[1] != "pending") >= 4:
+        if _settled(run) >= 4:
             break
         assert driver.poll() is None, driver.stderr.read() if driver.stderr else ""
         time.sleep(0.2)

@@ -54,7 +54,7 @@ def test_schemathesis_finds_nothing_the_document_could_say(runs, run, key, tmp_p
     """A server of its own: schemathesis may switch its engine (/admin/elite) and fill its queue."""
     srv = start_server(runs[run], key=key)
     try:
-        done = _schemathesis(srv, tmp_path, examples=25)
+        done = _schemathesis(srv, tmp_path, examples=15)
     finally:
         stop(srv)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
