@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.engine.hosted import frozen, process_tree
+from runtime.sandbox.hosted_engine import frozen, process_tree
 
 __all__ = ["EVO_SERVE", "INFINITY", "HttpServer", "ServerFailed", "evo_serve", "infinity"]
 

@@ -56,8 +56,8 @@ from _servers import EVO_SERVE, INFINITY, HttpServer, ServerFailed, evo_serve, i
 
 from archive import read_run  # noqa: E402
 from runtime.engine import Batcher, LoadResult, closed_loop  # noqa: E402
-from runtime.engine.hosted import pin, spawn_elite  # noqa: E402
 from runtime.engine.task import EngineTask  # noqa: E402
+from runtime.sandbox.hosted_engine import pin, spawn_elite  # noqa: E402
 from runtime.timing import pinned  # noqa: E402
 
 GOAL = 1.5  # ours over the strongest peer

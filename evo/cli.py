@@ -53,10 +53,10 @@ def cli() -> None:
 
 def warn_if_unfiltered() -> None:
     """Says loudly, once, when candidate code would run without the system-call filter on this machine."""
-    from runtime import host
+    from runtime.sandbox import filters
 
-    if not host.filter_available():
-        click.secho(f"WARNING: {host.UNFILTERED}", err=True, fg="red", bold=True)
+    if not filters.filter_available():
+        click.secho(f"WARNING: {filters.UNFILTERED}", err=True, fg="red", bold=True)
 
 
 def _with_overrides(config: RunConfig, **kw: Any) -> RunConfig:

@@ -13,7 +13,7 @@ from archive import LAYOUT_KEY, Archive, CVTArchive, GridArchive, RunView, Store
 from evo.config import ExecutionConfig, RunConfig, dump_config, parse_config
 from evo.errors import UserError
 from runtime import Task
-from runtime.sandbox import private_dir
+from runtime.sandbox.limits import private_dir
 
 __all__ = ["RunDir", "build_archive"]
 

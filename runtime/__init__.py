@@ -3,7 +3,8 @@
 - :mod:`runtime.task`: :class:`Task` (what every task has) and :class:`KernelTask` (what kernel tasks add).
 - :mod:`runtime.backends`: one protocol, one module per kind of candidate (C, CUDA, engine), a registry.
 - :mod:`runtime.cascade`: the one skeleton every evaluation runs through, inside a sandboxed worker.
-- :mod:`runtime.pool` (:class:`LocalPool`), :mod:`runtime.sandbox`, :mod:`runtime._worker`: the workers.
+- :mod:`runtime.pool` (:class:`LocalPool`): the workers; :mod:`runtime.sandbox`: the trust boundary (the workers'
+  processes and limits, the candidates' host processes, the system-call filters).
 - :mod:`runtime.timing`: the one timing harness; :mod:`runtime.toolchain`: compilers and loaders.
 - :mod:`runtime.engine`: the embedded inference engine; :mod:`runtime.tasks`: the built-in kernel tasks.
 """

@@ -55,9 +55,9 @@ class CudaTask(KernelTask):
     def device_fill(self, case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, tuple[int, float, float]] | None:
         """How timed rounds draw fresh inputs on the GPU: input -> (fill kind, mean, std), here the mean and
         spread of ``inputs`` (the typical ones) for fp32 and fp16 inputs (kinds in
-        :data:`runtime.cuda_host.FILL_KINDS`). ``None`` (any other dtype): :meth:`inputs` draws them on the
+        :data:`runtime.sandbox.cuda_host.FILL_KINDS`). ``None`` (any other dtype): :meth:`inputs` draws them on the
         host each round instead, slower. Override for inputs held in another dtype (bf16 as uint16)."""
-        from runtime.cuda_host import FILL_KINDS
+        from runtime.sandbox.cuda_host import FILL_KINDS
 
         out = {}
         for name, arr in inputs.items():

@@ -23,7 +23,8 @@ from typing import Any
 from runtime.backends import Backend, backend_for
 from runtime.executor import EvalRequest
 from runtime.result import EvalResult, Status
-from runtime.sandbox import WorkerDied, WorkerProcess, WorkerProfile, WorkerTimeout, reap_orphans, sweep_work_dirs
+from runtime.sandbox.processes import reap_orphans, sweep_work_dirs
+from runtime.sandbox.worker_process import WorkerDied, WorkerProcess, WorkerProfile, WorkerTimeout
 from runtime.task import TaskLoadError, load_task_class
 from runtime.toolchain.cc import compiler_version
 

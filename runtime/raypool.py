@@ -127,8 +127,8 @@ class NodeEvaluator:
     """One node's evaluations: a local pool of ``workers`` sandboxed workers (created as a Ray actor)."""
 
     def __init__(self, workers: int, cc: str = "cc") -> None:
-        from runtime.host import make_undumpable
         from runtime.pool import LocalPool
+        from runtime.sandbox.limits import make_undumpable
 
         _scrub_environment()
         make_undumpable()

@@ -123,13 +123,13 @@ class EngineHost:
     def build(self, elite: str) -> EngineRunner:
         """Loads (``best``, an id or prefix, or ``default``), starts and warms an engine; slow, call in a thread.
 
-        The engine's kernels run in a host process of their own (:func:`runtime.engine.hosted.spawn_host`),
+        The engine's kernels run in a host process of their own (:func:`runtime.sandbox.hosted_engine.spawn_host`),
         started from a fresh interpreter whose environment holds no key: nothing of this process's memory
         is in it, and it drops to the sandbox user. Each kernel must load as the library its elite was
         measured with. Tokenising, batching and the timings stay here."""
         from archive import read_run
         from runtime.engine import RunNotFound, load_model
-        from runtime.engine.hosted import spawn_elite
+        from runtime.sandbox.hosted_engine import spawn_elite
         from serving._runs import model_dir, resolve_engine_elite
 
         if self.model is None:

@@ -25,7 +25,7 @@ from evo.factory.config import FactoryConfig
 from genome import Genome
 from runtime.executor import EvalRequest
 from runtime.result import EvalResult, Status
-from runtime.sandbox import private_dir
+from runtime.sandbox.limits import private_dir
 from runtime.settings import EvalSettings, SandboxSettings, TaskSpec
 
 __all__ = ["HELD_OUT_SALT", "Measurer"]

@@ -40,7 +40,7 @@ from evo.factory.kernels import engine_run_config, kernel_run_config
 from evo.factory.measure import Measurer
 from evo.factory.plan import Plan, make_plan
 from runtime.result import Status
-from runtime.sandbox import private_dir
+from runtime.sandbox.limits import private_dir
 
 __all__ = ["Factory", "read_events", "read_promotions"]
 

@@ -42,7 +42,7 @@ from runtime.timing import TimingLock
 if TYPE_CHECKING:
     import numpy as np
 
-    from runtime.host import HostLauncher
+    from runtime.sandbox.c_host import HostLauncher
 
 __all__ = [
     "STAGES",
@@ -98,10 +98,10 @@ class WorkerContext:
         return self.peak_gflops
 
     def hosts(self) -> HostLauncher:
-        """What starts a candidate's host process (:mod:`runtime.host`); its executable is built into the
+        """What starts a candidate's host process (:mod:`runtime.sandbox.c_host`); its executable is built into the
         compile cache on first use."""
         if self.launcher is None:
-            from runtime.host import HostLauncher
+            from runtime.sandbox.c_host import HostLauncher
 
             self.launcher = HostLauncher(self.cc, self.cache_dir, self.work_dir)
         return self.launcher

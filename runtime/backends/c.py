@@ -1,5 +1,5 @@
 """The C backend: a candidate is C source, compiled by the system compiler, loaded in a host process of its
-own (:mod:`runtime.host`), called there on guarded shared buffers, and timed from this process against
+own (:mod:`runtime.sandbox.host`), called there on guarded shared buffers, and timed from this process against
 the task's numpy reference on a pinned core.
 
 This is the example to copy for a new backend: a :class:`Backend` with ``compile`` and ``load``, and a
@@ -34,8 +34,8 @@ from runtime.backends.base import (
 )
 from runtime.backends.kernels import CallClock, Instance, check_plan, compare, fresh_rng, timing_metrics
 from runtime.backends.ring import Ring
-from runtime.host import CandidateHost, HostDied
 from runtime.result import Status
+from runtime.sandbox.host import CandidateHost, HostDied
 from runtime.settings import EvalSettings
 from runtime.task import Case, KernelTask
 from runtime.timing import pinned, time_interleaved
@@ -134,7 +134,7 @@ class _Calls:
 
 
 class CProgram(Program, RunsGivenInputs, Duels):
-    """A C kernel loaded in its own :class:`runtime.host.CandidateHost`, and the task it is checked against.
+    """A C kernel loaded in its own :class:`runtime.sandbox.host.CandidateHost`, and the task it is checked against.
 
     Inputs and outputs sit in shared memory; the inputs' copies the reference reads, the expected
     outputs and the clock stay in this process, out of the host's reach. Every timed round writes fresh

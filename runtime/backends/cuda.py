@@ -1,5 +1,5 @@
 """The CUDA backend: a candidate is CUDA C++ compiled by nvcc to a cubin, launched in a host process of its
-own (:mod:`runtime.cuda_host`: its own CUDA context, out of reach of the worker's) on guarded device
+own (:mod:`runtime.sandbox.cuda_host`: its own CUDA context, out of reach of the worker's) on guarded device
 buffers, and timed with CUDA events against the GPU reference (cuBLAS, torch) under this GPU's lock.
 
 The same statuses and integrity rules as the C backend, on the GPU: every device buffer sits between guard
@@ -51,8 +51,8 @@ from runtime.backends.kernels import (
     within_tolerance,
 )
 from runtime.cuda_task import CudaTask
-from runtime.host import HostDied
 from runtime.result import Status
+from runtime.sandbox.host import HostDied
 from runtime.settings import EvalSettings
 from runtime.task import Case
 from runtime.timing import time_interleaved
@@ -63,7 +63,7 @@ from runtime.toolchain.cuda_reference import gpu_reference
 from runtime.toolchain.nvcc import CudaCompileResult, NvccNotFound, PtxasInfo, compile_cuda, nvcc_version
 
 if TYPE_CHECKING:
-    from runtime.cuda_host import CudaHost, CudaHostLauncher, RemoteBuffer
+    from runtime.sandbox.cuda_host import CudaHost, CudaHostLauncher, RemoteBuffer
 
 __all__ = ["CudaBackend", "CudaProgram", "launch_for"]
 
@@ -351,7 +351,7 @@ class CudaBackend(Backend[CudaTask]):
     def _hosts(self, settings: EvalSettings, ctx: WorkerContext) -> tuple[CudaHostLauncher, _WorkerFill]:
         """What starts candidate hosts (built into the cache on first use), and the worker's fill kernel."""
         if self._launcher is None or self._fill is None:
-            from runtime.cuda_host import CudaHostLauncher
+            from runtime.sandbox.cuda_host import CudaHostLauncher
 
             try:
                 self._launcher = CudaHostLauncher(ctx.cc, settings.cuda.nvcc, ctx.cache_dir, ctx.work_dir)

@@ -5,7 +5,7 @@ under closed-loop load.
 Stages and statuses are the C backend's: a genome outside the engine's options is ``invalid``, a kernel
 that does not compile ``compile_error``, an engine under the similarity floor ``wrong``.
 
-The boundary (see :mod:`runtime.engine.host`): the candidate's kernels run only in its host, forked from
+The boundary (see :mod:`runtime.sandbox.engine_host`): the candidate's kernels run only in its host, forked from
 a template process that holds the model and nothing else of the worker. Tokenising, batching, the load
 and its clock stay in the worker. Every load sends texts the engine has never seen (so remembering
 answers gains nothing), and ``_VERIFIED`` of its answers, chosen after it, are checked against the fp32
@@ -46,7 +46,12 @@ from runtime.backends.base import (
     WorkerContext,
 )
 from runtime.engine.engine import EngineConfig
-from runtime.engine.hosted import (
+from runtime.engine.load import LoadResult, closed_loop
+from runtime.engine.profile import assemble, check_forward
+from runtime.engine.task import EngineTask, cosines
+from runtime.result import Status
+from runtime.sandbox.host import HostDied
+from runtime.sandbox.hosted_engine import (
     EngineBuildFailed,
     EngineTemplate,
     HostedEngine,
@@ -56,11 +61,6 @@ from runtime.engine.hosted import (
     process_tree,
     statm_mb,
 )
-from runtime.engine.load import LoadResult, closed_loop
-from runtime.engine.profile import assemble, check_forward
-from runtime.engine.task import EngineTask, cosines
-from runtime.host import HostDied
-from runtime.result import Status
 from runtime.settings import EvalSettings
 from runtime.timing import pinned
 from runtime.toolchain.cc import CompileError, CompilerNotFound, compiler_version

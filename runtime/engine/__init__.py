@@ -83,7 +83,7 @@ def load_elite(
     overrides: Mapping[str, Any] | None = None,
 ) -> Engine:
     """The engine of candidate ``candidate_id`` (or a unique prefix) of the ``engine`` run ``run``, ready to
-    start, in this process (:func:`runtime.engine.hosted.spawn_host` builds one in a host process instead).
+    start, in this process (:func:`runtime.sandbox.hosted_engine.spawn_host` builds one in a host process instead).
 
     Its kernels are compiled into (or found in) the run's compile cache. Pass ``model`` to share
     already loaded weights, ``overrides`` to change fields of its :class:`EngineConfig` (e.g.

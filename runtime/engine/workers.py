@@ -134,8 +134,8 @@ def prime_engine_process() -> None:
     not be readable."""
     import threadpoolctl  # noqa: F401
 
-    import runtime.engine.host  # noqa: F401
-    from runtime.sandbox import preload_modules
+    import runtime.sandbox.engine_host  # noqa: F401
+    from runtime.sandbox.limits import preload_modules
 
     preload_modules()
     workers = ProcessWorkers(_lengths, 1)

@@ -89,14 +89,14 @@ def test_a_probing_kernel_sees_no_key_socket_writable_file_root_or_unfiltered_pr
 def test_without_the_filter_every_command_that_runs_candidates_says_so_loudly(tmp_path, monkeypatch):
     from cli_testlib import evo_here
 
-    from runtime import host
+    from runtime.sandbox import filters
 
     (tmp_path / "factory.yaml").write_text("{}\n")
     for args in (["serve", str(tmp_path / "no-run")], ["factory", "factory.yaml", "--dir", str(tmp_path / "f"),
                                                        "--resume"], ["run", str(tmp_path / "missing.yaml")]):
         quiet = evo_here(*args, cwd=tmp_path)
         assert "UNFILTERED" not in quiet.stderr, quiet.stderr
-    monkeypatch.setattr(host, "filter_available", lambda: False)
+    monkeypatch.setattr(filters, "filter_available", lambda: False)
     for args in (["serve", str(tmp_path / "no-run")], ["factory", "factory.yaml", "--dir", str(tmp_path / "f"),
                                                        "--resume"]):
         loud = evo_here(*args, cwd=tmp_path)

@@ -13,7 +13,7 @@ from genome import Genome
 from runtime.executor import EvalRequest
 from runtime.pool import LocalPool
 from runtime.result import Status
-from runtime.sandbox import sandbox_ids
+from runtime.sandbox.limits import sandbox_ids
 from runtime.settings import TaskSpec
 
 # Opens each of the run's files for reading on its first call; any that opens spoils its output.

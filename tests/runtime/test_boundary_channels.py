@@ -18,8 +18,8 @@ from runtime_helpers import MATMUL_SIGNATURE as SIGNATURE
 from runtime_helpers import make_settings, request, run
 
 from runtime import safe_pickle
-from runtime.host import filter_available
 from runtime.result import EvalResult, Status
+from runtime.sandbox.filters import filter_available
 from runtime.settings import TaskSpec
 
 MATMUL = TaskSpec(name="matmul", args={"m": 96, "n": 96, "k": 96})

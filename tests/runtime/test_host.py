@@ -1,4 +1,4 @@
-"""The candidate host (runtime/host.c) on its own: arguments of every kind reach the kernel, in order."""
+"""The candidate host (runtime/sandbox/c_host.c) on its own: arguments of every kind reach the kernel, in order."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from runtime.host import HostLauncher
+from runtime.sandbox.c_host import HostLauncher
 from runtime.toolchain.cc import CompileError
 
 # 13 ints and pointers (more than the registers carry: the rest go on the stack) and 3 floats, interleaved.

@@ -214,7 +214,7 @@ def test_a_node_without_the_compiler_is_one_clear_error(cluster):
 
 
 def test_candidate_code_cannot_reach_rays_control_plane(pool, cluster, tmp_path):
-    from runtime.host import filter_available
+    from runtime.sandbox.filters import filter_available
 
     if not filter_available():
         pytest.skip("libseccomp is not installed")

@@ -9,7 +9,7 @@ import pytest
 from runtime_helpers import CORRECT, kernel, make_settings, request, run
 
 from runtime.result import Status
-from runtime.sandbox import group_members
+from runtime.sandbox.processes import group_members
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_the_working_directories_of_a_killed_pools_workers_are_swept_by_the_next
     import tempfile
 
     from runtime.pool import LocalPool
-    from runtime.sandbox import sweep_work_dirs
+    from runtime.sandbox.processes import sweep_work_dirs
 
     here = os.path.dirname(__file__)
     code = (f"import sys, time; sys.path.insert(0, {here!r})\n"

@@ -1,6 +1,6 @@
 """The trust boundary around candidate code, attacked as a model looking for holes would attack it.
 
-Candidate code runs in a host process of its own (runtime/host.py, runtime/host.c): a fresh executable,
+Candidate code runs in a host process of its own (runtime/sandbox/c_host.py, c_host.c): a fresh executable,
 under a system-call filter, timed from the worker. Each kernel here tries one way out: read the worker's memory
 for the answer, rewrite its own process's clock, slow the reference with a helper thread, leave work
 running, write files (the compile cache), open sockets, fork, rewrite code. Each must end non-``ok``,
@@ -19,8 +19,8 @@ from runtime_helpers import MATMUL_HONEST as HONEST
 from runtime_helpers import MATMUL_SIGNATURE as SIGNATURE
 from runtime_helpers import make_settings, request, run
 
-from runtime.host import filter_available
 from runtime.result import Status
+from runtime.sandbox.filters import filter_available
 from runtime.settings import TaskSpec
 
 MATMUL = TaskSpec(name="matmul", args={"m": 128, "n": 128, "k": 128})

@@ -185,7 +185,7 @@ def _engine_hosts(srv: Server) -> list[int]:
                     cmd = c.read()
             except OSError:
                 continue
-            if ppid == srv.proc.pid and b"runtime.engine.host" in cmd:
+            if ppid == srv.proc.pid and b"runtime.sandbox.engine_host" in cmd:
                 found.append(int(entry))
     return found
 
@@ -211,7 +211,7 @@ def test_a_body_shorter_than_its_content_length_gets_408_and_the_connection_clos
 def test_the_served_engines_kernels_run_in_a_filtered_process_without_the_key(engine_server: Server) -> None:
     """The key stays in the HTTP process: the engine's host is a fresh interpreter with none of its memory
     or environment, under the system-call filter."""
-    from runtime.host import filter_available
+    from runtime.sandbox.filters import filter_available
 
     hosts = _engine_hosts(engine_server)
     assert hosts

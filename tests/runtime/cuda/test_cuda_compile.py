@@ -75,7 +75,7 @@ def test_the_candidate_host_builds_here_and_says_why_it_cannot_run_without_a_dri
     import os
     import subprocess
 
-    from runtime.cuda_host import CudaHostLauncher, build_cuda_host
+    from runtime.sandbox.cuda_host import CudaHostLauncher, build_cuda_host
     from runtime.toolchain.cuda_device import CudaUnavailable, probe
 
     exe, ptx = build_cuda_host("cc", "nvcc", str(tmp_path))

@@ -11,7 +11,7 @@ from genome import Genome, evolve_blocks
 from runtime.backends.cuda import launch_for
 from runtime.cascade import Failure
 from runtime.result import Status
-from runtime.sandbox import scrubbed_env
+from runtime.sandbox.limits import scrubbed_env
 from runtime.settings import TimingSettings
 from runtime.task import load_task_class
 from runtime.tasks.matmul_cuda import MatmulCuda, bf16_to_f32, f32_to_bf16

@@ -1,6 +1,6 @@
 """The trust boundary around engine candidates, attacked as a model looking for holes would attack it.
 
-An engine candidate's kernels run only in its host process (runtime/engine/host.py), forked from a
+An engine candidate's kernels run only in its host process (runtime/sandbox/engine_host.py), forked from a
 template that holds the model and nothing of the worker's figures; the load, its clock and the
 verification stay in the worker. Each kernel here is a layernorm elite of a kernel run, offered to the
 engine's layernorm slot, and tries one way out: every door out of its process, answers that turn wrong
@@ -20,9 +20,9 @@ from archive._store import Store
 from genome import Genome
 from runtime.engine.task import EngineTask, FreshTexts
 from runtime.executor import EvalRequest
-from runtime.host import filter_available
 from runtime.pool import LocalPool
 from runtime.result import EvalResult, Status
+from runtime.sandbox.filters import filter_available
 from runtime.settings import EvalSettings, TaskSpec
 
 SIGNATURE = ("void kernel(int rows, int cols, float eps, const float *x, const float *gamma, const float *beta, "

@@ -13,9 +13,9 @@ import pytest
 
 from runtime.engine import Engine, EngineConfig
 from runtime.engine.engine import fit_threads
-from runtime.engine.hosted import statm_mb
 from runtime.engine.ops import numpy_ops
 from runtime.engine.workers import ProcessWorkers, WorkerDied
+from runtime.sandbox.hosted_engine import statm_mb
 
 
 def _alive(pid: int) -> bool:

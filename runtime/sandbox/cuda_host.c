@@ -1,4 +1,4 @@
-/* The CUDA candidate host: the only process a CUDA candidate's device code runs in (see runtime/cuda_host.py).
+/* The CUDA candidate host: the only process a CUDA candidate's device code runs in (see runtime/sandbox/cuda_host.py).
  *
  * A fresh executable per candidate, with a CUDA context of its own: the worker's context, which holds the
  * reference's device buffers and its results, is another process's and out of reach of any kernel here.

@@ -1,4 +1,5 @@
-"""The worker's main loop: ``python -m runtime._worker FD`` (started by :class:`runtime.sandbox.WorkerProcess`).
+"""The worker's main loop: ``python -m runtime.sandbox.worker FD`` (started by
+:class:`runtime.sandbox.worker_process.WorkerProcess`).
 
 Protocol over the socket FD (length-prefixed pickles): the controller sends an init message
 ``{"profile": WorkerProfile, "ids": (uid, gid) | None}``; the worker prepares (imports, opens the compile
@@ -20,9 +21,9 @@ from genome import canonical_json
 from runtime.backends import WorkerContext, backend_for
 from runtime.cascade import evaluate
 from runtime.hardware import fingerprint
-from runtime.host import make_undumpable
 from runtime.result import EvalResult, Status
-from runtime.sandbox import WorkerProfile, arm_cpu_limit, enter_sandbox, preload_modules
+from runtime.sandbox.limits import arm_cpu_limit, enter_sandbox, make_undumpable, preload_modules
+from runtime.sandbox.worker_process import WorkerProfile
 from runtime.settings import TaskSpec
 from runtime.task import Task, load_task_class
 from runtime.timing import TimingLock
@@ -62,7 +63,7 @@ def _internal_error(ctx: WorkerContext | None) -> EvalResult:
 def _prepare(init: dict[str, Any], tasks: _Tasks) -> WorkerContext:
     profile: WorkerProfile = init["profile"]
     _add_paths(profile.sys_path)
-    preload_modules()
+    preload_modules(("runtime.sandbox.c_host",))  # what starts candidates' hosts, first used after the drop
     prepared = []
     for spec in profile.preload:
         try:

@@ -1,6 +1,6 @@
 // Fresh inputs on the device: element i of a fill with seed s is a normal(mean, std) value drawn from a
 // hash of (s, i), stored as fp32, fp16 or bf16 (the top half of the fp32 bits, rounded to nearest even).
-// Built to PTX with the candidate host (runtime/cuda_host.py); the worker loads the same PTX, so both sides
+// Built to PTX with the candidate host (runtime/sandbox/cuda_host.py); the worker loads the same PTX, so both sides
 // fill identical inputs from a seed the candidate learns only when its inputs are already there.
 #include <cuda_fp16.h>
 

@@ -1,7 +1,7 @@
 """Engines in host processes, as the worker (or a server) drives them.
 
 :class:`HostedEngine` is an :class:`Engine` whose forward passes run in a host process
-(:mod:`runtime.engine.host`): tokenising, batching, the load and every clock stay here; the host runs
+(:mod:`runtime.sandbox.engine_host`): tokenising, batching, the load and every clock stay here; the host runs
 the batches it is given, with the candidate's kernels. :class:`EngineTemplate` is the process hosts are
 forked from in a worker; :func:`spawn_host` starts one from a fresh interpreter (a server's).
 
@@ -34,10 +34,10 @@ from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.model import Model
 from runtime.engine.ops import Ops
 from runtime.engine.runs import KernelSource
-from runtime.engine.wire import FrameError, decode_result, encode_batch, read_frame, write_frame
-from runtime.host import HostDied, forward_output
 from runtime.runs import OpenRun, RunReader
-from runtime.sandbox import owned_work_dir, process_table, sweep_work_dirs
+from runtime.sandbox.engine_wire import FrameError, decode_result, encode_batch, read_frame, write_frame
+from runtime.sandbox.host import HostDied, forward_output
+from runtime.sandbox.processes import owned_work_dir, process_table, sweep_work_dirs
 from runtime.settings import CompilerSettings
 
 __all__ = ["EngineBuildFailed", "EngineProcess", "EngineTemplate", "HostedEngine", "frozen", "process_tree",
@@ -144,7 +144,7 @@ def statm_mb(pids: Sequence[int], shared_bytes: int) -> float:
 
 
 class EngineProcess:
-    """An engine's host process: batches in, embeddings out (thread-safe); see :mod:`runtime.engine.host`."""
+    """An engine's host process: batches in, embeddings out (thread-safe); see :mod:`runtime.sandbox.engine_host`."""
 
     def __init__(self, pid: int, sock: socket.socket, status: Callable[[int], dict[str, Any]] | None = None,
                  popen: subprocess.Popen[bytes] | None = None, output: str | None = None,
@@ -378,14 +378,14 @@ class HostedEngine(Engine):
 
 
 class EngineTemplate:
-    """A process forked from this one that forks a host per engine (:func:`runtime.engine.host.template_main`).
+    """A process forked from this one that forks a host per engine (:func:`runtime.sandbox.engine_host.template_main`).
 
     Fork it before anything a candidate must not see exists in this process (the reference embeddings,
     the expected outputs): a worker does so right after entering its sandbox. ``keep``: descriptors the
     hosts need (the compile cache's)."""
 
     def __init__(self, model: Model, keep: Iterable[int] = ()) -> None:
-        from runtime.engine.host import template_main
+        from runtime.sandbox.engine_host import template_main
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         parent = os.getpid()
@@ -455,7 +455,7 @@ _OUT_DIR: str | None = None  # where this process's hosts print (swept once this
 
 def spawn_host(model: Model, config: EngineConfig, spec: Mapping[str, Any],
                env: Mapping[str, str] | None = None) -> HostedEngine:  # fmt: skip
-    """A host started from a fresh interpreter building ``spec`` (:func:`runtime.engine.host.main`; its
+    """A host started from a fresh interpreter building ``spec`` (:func:`runtime.sandbox.engine_host.main`; its
     ``config`` is set from ``config``). Its environment is ``env`` (default: this process's ``PATH``, ``HOME``,
     locale, ``PYTHONPATH``, offline and thread settings, nothing else: no key). It inherits no descriptor but
     its socket and the spec's pipe, drops to the sandbox user, and prints to a file of its own, forwarded to
@@ -472,7 +472,7 @@ def spawn_host(model: Model, config: EngineConfig, spec: Mapping[str, Any],
     fd, output = tempfile.mkstemp(prefix="engine-host-", suffix=".out", dir=_OUT_DIR)
     try:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "runtime.engine.host", str(theirs.fileno())],
+            [sys.executable, "-m", "runtime.sandbox.engine_host", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), stdin=subprocess.PIPE, stdout=fd, stderr=subprocess.STDOUT, env=dict(env),
         )  # fmt: skip
     finally:

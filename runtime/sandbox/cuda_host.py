@@ -2,13 +2,13 @@
 
 Device code can read any memory of the context it runs in. The worker's context holds the reference's
 buffers, its results and (for a duel) a rival's; so a candidate never runs there. Each one gets a host
-(``runtime/cuda_host.c``, built once per compiler into the compile cache, with the driver opened at run
+(``cuda_host.c``, built once per compiler into the compile cache, with the driver opened at run
 time so that it builds without a GPU) that loads its cubin into a fresh context, keeps its buffers,
 fills its inputs, launches it and times the launch between two CUDA events. The host's code is ours;
 the candidate is device code only, so those events are a clock it cannot touch.
 
 Fresh inputs: before every timed round the worker picks a seed, and both the host and the worker fill
-their inputs from it with the same kernel (``runtime/cuda_fill.cu``, built to PTX): the candidate meets
+their inputs from it with the same kernel (``cuda_fill.cu``, built to PTX): the candidate meets
 values it has never seen, the reference computes on the very same ones, and every round's output is
 compared with the reference's on elements chosen after it. A host is not dumpable, dies with its
 worker, and runs under the ``threads`` system-call filter once its context is up.
@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from runtime.host import CandidateHost, compiled_filters, encode_args, start_host_process
-from runtime.sandbox import owned_work_dir
+from runtime.sandbox.filters import compiled_filters, filter_request
+from runtime.sandbox.host import CandidateHost, encode_args, start_host_process
+from runtime.sandbox.processes import owned_work_dir
 from runtime.toolchain.cuda_launch import Launch
 
 __all__ = ["FILL_KINDS", "CudaHost", "CudaHostLauncher", "RemoteBuffer", "build_cuda_host", "cuda_include_dir"]
@@ -105,7 +106,7 @@ class CudaHostLauncher:
         """A new host with kernel ``name`` of ``cubin`` loaded in a context of its own.
 
         Raises :class:`runtime.toolchain.CompileError` when the driver cannot load the cubin or it defines
-        no ``name``; :class:`runtime.host.HostDied` when the host dies starting."""
+        no ``name``; :class:`runtime.sandbox.host.HostDied` when the host dies starting."""
         from runtime.toolchain.cc import CompileError
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -124,7 +125,7 @@ class CudaHostLauncher:
                 os.close(fd)
         host = CudaHost(pid, ours, output)
         bpf = b"" if self.filters is None else self.filters["device"]  # the driver runs threads of its own
-        host.send(b"F" + struct.pack("<I", len(bpf)) + bpf + struct.pack("<I", 0))
+        host.send(filter_request(bpf))
         ready = host.receive()
         if ready[:2] != b"ok" or len(ready) != 14:
             host.close()

@@ -1,4 +1,4 @@
-/* The candidate host: the only process a C candidate's code runs in (see runtime/host.py).
+/* The candidate host: the only process a C candidate's code runs in (see runtime/sandbox/c_host.py).
  *
  * Started by the worker as a fresh executable: argv = host, kernel name, threads, CPU seconds; the
  * worker's socket is descriptor 3, the candidate's library descriptor 4 (and this executable 5), stdout

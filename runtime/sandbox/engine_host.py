@@ -3,7 +3,7 @@
 A worker never loads an engine candidate itself. It asks a template process (:func:`template_main`,
 forked from the worker once, before anything worth stealing exists in the worker: the model and the
 kernel sources are loaded, the reference embeddings are not) to fork a host per engine. A server
-starts a fresh interpreter instead (``python -m runtime.engine.host``), whose environment holds no key.
+starts a fresh interpreter instead (``python -m runtime.sandbox.engine_host``), whose environment holds no key.
 
 A host:
 
@@ -11,11 +11,11 @@ A host:
   the worker's pipe to the controller), and prints to a file of its own, never the worker's log;
 - is not dumpable, dies with its parent, and stays in the worker's process group (it may not leave
   it), so killing the worker's group kills every process an engine started;
-- runs the kernels under the ``engine`` system-call filter (:func:`runtime.host.compiled_filters`),
+- runs the kernels under the ``engine`` system-call filter (:func:`runtime.sandbox.filters.compiled_filters`),
   loaded before the first kernel library: threads and its own worker processes are allowed, sockets
   (but an unnamed local pair for its workers), signals, exec, writes to files and new code are not;
   once the kernels are loaded and have run once, no executable mapping at all;
-- answers over :mod:`runtime.engine.wire`: ``B`` a batch of token ids, answered ``O`` (embeddings) or
+- answers over :mod:`runtime.sandbox.engine_wire`: ``B`` a batch of token ids, answered ``O`` (embeddings) or
   ``X`` (the error); ``P`` sequences to profile in batches (answered ``P`` with the operators' times,
   JSON); ``S`` starts its workers (answered ``S`` with what runs); ``T`` stops them once the batches in
   flight are done; ``Q`` or a closed socket ends it.
@@ -43,33 +43,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from runtime.engine.profile import time_forward
-from runtime.engine.wire import decode_batch, encode_result, read_frame, write_frame
+from runtime.sandbox.engine_wire import decode_batch, encode_result, read_frame, write_frame
+from runtime.sandbox.filters import compiled_filters, load_filter
+from runtime.sandbox.landlock import SYSTEM_ROOTS, confine_files
 
 if TYPE_CHECKING:
     from runtime.engine.engine import Engine
     from runtime.engine.model import Model
 
-__all__ = ["load_filter", "serve", "template_main"]
+__all__ = ["serve", "template_main"]
 
 _PR_SET_PDEATHSIG = 1
-_PR_SET_SECCOMP = 22
-_PR_SET_NO_NEW_PRIVS = 38
-_SECCOMP_MODE_FILTER = 2
 _WARM_IDS = np.array([101, 102], np.int32)  # [CLS] [SEP]
-
-
-class _Fprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-
-def load_filter(bpf: bytes) -> None:
-    """Puts this process (and every thread and process it starts from now on) under a seccomp BPF program."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(bpf, len(bpf))
-    prog = _Fprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
-    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or \
-            libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:  # fmt: skip
-        raise OSError(ctypes.get_errno(), "the engine's system-call filter did not load")
 
 
 def _close_fds_except(keep: set[int]) -> None:
@@ -99,7 +84,6 @@ def _load(build: Callable[[], Engine], filters: dict[str, bytes] | None, cache_d
     directory, no worker's working directory, no other candidate's source or output."""
     import genome
     import runtime
-    from runtime.host import SYSTEM_ROOTS, confine_files
 
     ours = [os.path.dirname(m.__file__ or "") for m in (runtime, genome)]  # our packages, not the tree around them
     checkout = os.path.dirname(ours[0])  # a source checkout (runs may live in it), unless installed
@@ -204,11 +188,10 @@ def template_main(sock: socket.socket, model: Model, parent: int, keep: set[int]
     """The template's loop (in a process just forked from a worker): each request forks a host building
     one engine of ``model``. A request is JSON (``config``, ``kernels``: slot -> kernel source, ``compiler``,
     ``cache_dir``, ``cpu_seconds``) with the host's socket attached; the answer is the host's pid and the file
-it prints to (in the template's working directory: the worker's). A request
+    it prints to (in the template's working directory: the worker's). A request
     ``{"status": pid}`` answers how that host ended (``signal`` name or exit ``code``). Never returns."""
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.engine.runs import KernelSource, build_ops
-    from runtime.host import compiled_filters
     from runtime.settings import CompilerSettings
     from runtime.toolchain.cc import compiler_version
 
@@ -250,7 +233,7 @@ it prints to (in the template's working directory: the worker's). A request
                 if req.get("cpu_seconds"):
                     resource.setrlimit(resource.RLIMIT_CPU, (int(req["cpu_seconds"]),) * 2)
                 _host_main(fds[0], me, lambda: build(ops=ops()), filters,  # noqa: B023 - called right here
-                           {cache_fd} if cache_fd is not None else set(), cache_dir)
+                           {cache_fd} if cache_fd is not None else set(), cache_dir)  # fmt: skip
             except BaseException:  # noqa: BLE001 - into the worker's log
                 traceback.print_exc()
                 sys.stderr.flush()
@@ -283,7 +266,7 @@ def _ended(pid: int, ended: dict[int, int]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m runtime.engine.host FD`` with a JSON spec on stdin: builds the engine it describes and
+    """``python -m runtime.sandbox.engine_host FD`` with a JSON spec on stdin: builds the engine it describes and
     answers on descriptor FD. The spec holds ``config`` (an :class:`EngineConfig`), ``model_dir``, and for
     evolved kernels ``task`` (the engine task's name and resolved args: the kernels travel in them),
     ``compiler``, ``cache_dir`` and ``kernel_sha256`` (slot -> the library each kernel must load as: the
@@ -298,8 +281,7 @@ def main(argv: list[str]) -> int:
     from runtime.engine.model import load_model
     from runtime.engine.ops import numpy_ops
     from runtime.engine.workers import prime_engine_process
-    from runtime.host import compiled_filters, make_undumpable
-    from runtime.sandbox import enter_sandbox, sandbox_ids
+    from runtime.sandbox.limits import enter_sandbox, make_undumpable, sandbox_ids
     from runtime.settings import CompilerSettings, SandboxSettings
     from runtime.task import load_task_class
 
