@@ -18,6 +18,7 @@ from evo.config import RunConfig, load_config
 from evo.confirm import provenance
 from evo.errors import UserError
 from evo.rundir import RunDir
+from evo.unfiltered import warn_if_unfiltered
 
 __all__ = ["main"]
 
@@ -49,14 +50,6 @@ def cli() -> None:
         import ctypes
 
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
-
-
-def warn_if_unfiltered() -> None:
-    """Says loudly, once, when candidate code would run without the system-call filter on this machine."""
-    from runtime.sandbox import filters
-
-    if not filters.filter_available():
-        click.secho(f"WARNING: {filters.UNFILTERED}", err=True, fg="red", bold=True)
 
 
 def _with_overrides(config: RunConfig, **kw: Any) -> RunConfig:

@@ -16,6 +16,7 @@ from evo.errors import UserError
 from evo.llm import LLM_OPERATORS, LLMSettings
 from genome import ParamSpace, SpaceError, SpaceSpec
 from runtime import EvalSettings, Task, TaskLoadError, TaskSpec, load_task_class
+from runtime.runs import FollowsRuns
 
 __all__ = [
     "ArchiveConfig",
@@ -171,7 +172,8 @@ class RunConfig(_Model):
         """The space the search explores: the config's override (completed by the task), else the task's own."""
         if self.space is None:
             return task.space()
-        return task.complete_space(ParamSpace(self.space.params, self.space.constraints))
+        space = ParamSpace(self.space.params, self.space.constraints)
+        return task.complete_space(space) if isinstance(task, FollowsRuns) else space
 
     def make_task(self) -> Task:
         try:
@@ -223,7 +225,10 @@ def parse_config(data: Any, *, source: str, base_dir: Path | None = None) -> Run
     except ValidationError as exc:
         raise UserError(f"{source}: {_first_error(exc)}") from None
     try:  # relative paths in task args mean relative to where `evo run` runs, as --run-dir does
-        args = load_task_class(config.task.name).resolve_args(config.task.args, os.getcwd(), runs=read_run)
+        cls = load_task_class(config.task.name)
+        args = cls.resolve_args(config.task.args, os.getcwd())
+        if issubclass(cls, FollowsRuns):
+            args = cls.read_runs(args, read_run)
         config = config.model_copy(update={"task": config.task.model_copy(update={"args": args})})
     except TaskLoadError:
         pass  # make_task says what is wrong with the name

@@ -24,13 +24,17 @@ failure as its result: a figure that cannot be measured again is not a best.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from runtime.result import EvalResult, Status
 
-__all__ = ["CONFIRMED", "confirmed_result", "outranks", "provenance", "ranked"]
+if TYPE_CHECKING:
+    from archive import Candidate, Store
+    from evo.config import ConfirmConfig
+
+__all__ = ["CONFIRMED", "Confirmation", "confirmed_result", "outranks", "provenance", "ranked"]
 
 CONFIRMED = "confirmed"  # the metrics key a confirmed result carries
 
@@ -107,3 +111,57 @@ def _ratio(result: _Figures) -> float | None:
     """The result's ratio to the reference timed beside it, ``None`` where it has none."""
     vs = result.metrics.get("vs_reference")
     return float(vs) if isinstance(vs, (int, float)) and vs > 0 else None
+
+
+class Confirmation:
+    """The confirmation of a run's best once its search stops: the best not yet confirmed, while it outranks the
+    confirmed leader, is evaluated ``repeats`` more times (by ``evaluate_again``), up to ``top`` of them, and
+    the store keeps each one's :func:`confirmed_result` and the confirmed ranking."""
+
+    def __init__(self, settings: ConfirmConfig, store: Store, unit: str, note: Callable[[str], None]) -> None:
+        self.settings, self.store, self.unit, self.note = settings, store, unit, note
+
+    def run(self, evaluate_again: Callable[[Candidate, int], list[EvalResult]]) -> bool:
+        """Confirms what needs it; whether any stored figure changed."""
+        repeats, top = self.settings.repeats, self.settings.top
+        if repeats == 0:
+            return False
+        confirmed = set(self.store.confirmed())
+        leaders = [c for c in self.store.best(len(confirmed)) if c.id in confirmed]  # those still ok, best first
+        changed = False
+        for _ in range(top):
+            cand = self._unconfirmed(leaders)
+            if cand is None or (leaders and not outranks(cand, leaders[0])):
+                break
+            self.note(f"confirming the best {cand.id[:12]} ({cand.fitness:.4g} {self.unit}): "
+                      f"{repeats} fresh evaluations")  # fmt: skip
+            again = evaluate_again(cand, repeats)
+            recorded = EvalResult(status=Status(cand.status), fitness=cand.fitness, unit=cand.unit,
+                                  metrics=cand.metrics)  # fmt: skip
+            result = confirmed_result(recorded, again)
+            ok = result.status == Status.OK
+            now = ranked([*leaders, replace(cand, fitness=result.fitness, metrics=result.metrics)]
+                         if ok else leaders)  # fmt: skip
+            self.store.revise_result(cand.id, result, descriptors=cand.descriptors if ok else {},
+                                     confirmed=[c.id for c in now])  # fmt: skip
+            leaders, changed = self.store.get_many([c.id for c in now]), True
+            figures = ", ".join(f"{r.fitness:.4g}" if r.fitness is not None else str(r.status) for r in again)
+            vs = result.metrics.get("vs_reference")
+            self.note(f"confirmed {cand.id[:12]}: recorded {cand.fitness:.4g}, again {figures}: "
+                      + (f"keeps {result.fitness:.4g} {self.unit}, the median measured"
+                         + (f" ({vs:.3f}x the reference)" if vs is not None else "") if ok
+                         else f"{result.status}: {result.error}"))  # fmt: skip
+        else:
+            cand = self._unconfirmed(leaders)
+            if cand is not None and not leaders:
+                self.note(f"the best is not confirmed: {top} candidates were (search.confirm.top)")
+            elif cand is not None and outranks(cand, leaders[0]):
+                self.note(f"{cand.id[:12]} recorded a figure above the confirmed best's but is not confirmed: "
+                          f"{top} candidates were (search.confirm.top); the best is the confirmed "
+                          f"{leaders[0].id[:12]}")  # fmt: skip
+        return changed
+
+    def _unconfirmed(self, leaders: list[Candidate]) -> Candidate | None:
+        """The best candidate not confirmed yet, by the search's own ranking (fitness)."""
+        found = self.store.best(len(leaders) + 1)
+        return found[-1] if len(found) > len(leaders) else None

@@ -22,10 +22,45 @@ budget records it capped at the best.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from runtime.result import EvalResult, Status
 
-__all__ = ["settle", "wants_duel"]
+if TYPE_CHECKING:
+    from archive import Candidate
+    from runtime.executor import EvalRequest
+
+__all__ = ["Challenges", "settle", "wants_duel"]
+
+
+class Challenges:
+    """The search's side of duels: results that would be the new best, held back while they duel the best.
+
+    ``open`` while the search may start duels (its backend offers them, and the search is not confirming);
+    a result held when the run stops is recorded by :meth:`abandon`, capped at the best it did not beat."""
+
+    def __init__(self, open: bool) -> None:
+        self.open = open
+        self._held: dict[str, tuple[EvalRequest, EvalResult, Candidate]] = {}
+
+    def challenge(self, request: EvalRequest, result: EvalResult, best: Candidate | None) -> EvalRequest | None:
+        """The duel to run before ``result`` is recorded (``result`` is then held), or ``None``: record it now."""
+        if not self.open or best is None or best.id == request.key or not wants_duel(result, best.fitness):
+            return None
+        self._held[request.key] = (request, result, best)
+        return replace(request, stages="duel", rival=best.genome)
+
+    def verdict(self, duel: EvalRequest, outcome: EvalResult) -> tuple[EvalRequest, EvalResult, Candidate]:
+        """The held request, its result settled by the duel's ``outcome`` (:func:`settle`), and the rival."""
+        request, result, best = self._held.pop(duel.key)
+        return request, settle(result, outcome, best.id, best.fitness or 0.0, best.metrics.get("vs_reference")), best
+
+    def abandon(self) -> list[tuple[EvalRequest, EvalResult]]:
+        """Every held result whose duel did not come back, settled without a verdict: recorded, not crowned."""
+        out = [(request, settle(result, None, best.id, best.fitness or 0.0)) for request, result, best in
+               self._held.values()]  # fmt: skip
+        self._held.clear()
+        return out
 
 
 def wants_duel(result: EvalResult, best_fitness: float | None) -> bool:

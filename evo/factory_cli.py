@@ -41,8 +41,8 @@ def factory() -> None:
 @click.option("--rounds", type=click.IntRange(min=1), help="rounds in all (more than it was started with)")
 def run(config_path: Path, path: Path | None, resume: bool, rounds: int | None) -> None:
     """Run the factory described by CONFIG (a YAML file)."""
-    from evo.cli import warn_if_unfiltered
     from evo.factory import Factory, load_factory_config
+    from evo.unfiltered import warn_if_unfiltered
 
     config = load_factory_config(config_path)
     warn_if_unfiltered()

@@ -1,5 +1,9 @@
 """Turns the archive into new candidates: parent selection, a weighted operator, dedup, storage.
 
+The search asks (:meth:`Proposer.propose`, :meth:`Proposer.harvest`) and tells (:meth:`Proposer.tell`: what
+became of a candidate); the proposer keeps its own books (each candidate's parents and operator, curiosity,
+the bandit) and nothing else writes them.
+
 Proposals are reproducible: each draws from ``numpy.random.default_rng([seed, 1, counter])`` with a
 counter persisted in the store. Operators that block on something slow (a model endpoint) run on a
 small thread pool, so the workers stay busy with other proposals meanwhile; their children join the
@@ -40,13 +44,14 @@ class Proposer:
         archive: Archive,
         operators: dict[str, Operator],
         weights: dict[str, float],
-        curiosity: Curiosity,
         hints: Any = None,  # callable(parents) -> list of memory hits, when a memory is configured
+        novelty: Any = None,  # callable(genome, parent sources) -> bool, when a memory is configured
+        novelty_limit: int = 20,  # novelty rejections tolerated per slot before giving it up
         max_blocking: int = 2,
     ) -> None:
         self.config, self.task, self.space, self.store, self.archive = config, task, space, store, archive
         self.operators = operators
-        self.curiosity = curiosity
+        self.curiosity = Curiosity()
         self._hints = hints
         self._names = [n for n in operators if weights.get(n, 0.0) > 0]
         p = np.array([weights[n] for n in self._names], dtype=float)
@@ -54,12 +59,11 @@ class Proposer:
         self._blocking: ThreadPoolExecutor | None = None
         self._max_blocking = max_blocking
         self._futures: dict[Future[Proposal | Genome | None], tuple[str, list[str]]] = {}
-        self.parents_of: dict[str, list[str]] = {}
-        self.op_of: dict[str, str] = {}  # candidate id -> operator, until its result is fed back
+        self._parents: dict[str, list[str]] = {}  # candidate id -> its parents, until it is told of
+        self._operator_of: dict[str, str] = {}  # candidate id -> its operator, until it is told of
         self.duplicates = 0
-        self.novelty: Any = None  # callable(genome, parent sources) -> bool, when a memory is configured
+        self._novelty, self._novelty_limit = novelty, novelty_limit
         self.novelty_rejected = 0
-        self.novelty_limit = 20  # novelty rejections tolerated per slot before giving it up
         self.bandit = OperatorBandit(self._names) if config.search.operators.adaptive else None
         # carries the run when every weighted operator rests (e.g. all are model-backed and the endpoint is down)
         self._fallback = Mutate(config.search.operators)
@@ -73,7 +77,7 @@ class Proposer:
         """
         novelty_before = self.novelty_rejected
         for _ in range(self.config.search.max_dedup_tries):
-            if self.novelty_rejected - novelty_before >= self.novelty_limit:
+            if self.novelty_rejected - novelty_before >= self._novelty_limit:
                 break
             names = self._ready()
             if names is None:
@@ -126,9 +130,15 @@ class Proposer:
             if close is not None:
                 close()
 
-    def feedback(self, cid: str, status: Any, add_status: AddStatus, *, parents: list[str]) -> None:
-        """What became of a candidate: rewards the bandit, lets its operator record it (``on_result``)."""
-        name = self.op_of.pop(cid, None)
+    def tell(self, cid: str, status: Any, add_status: AddStatus) -> None:
+        """What became of a candidate: curiosity learns from its parents, the bandit is rewarded, and its
+        operator may record it (``on_result``)."""
+        parents = self._parents.pop(cid, None)
+        if parents is None:
+            cand = self.store.get(cid)
+            parents = list(cand.parents) if cand else []
+        self.curiosity.update(parents, add_status != AddStatus.NOT_ADDED)
+        name = self._operator_of.pop(cid, None)
         op = self.operators.get(name) if name else None
         if op is None:
             return
@@ -138,6 +148,16 @@ class Proposer:
         if on_result is not None:
             on_result(self.store, cid, status, add_status)
 
+    def remember(self, cand: Candidate) -> None:
+        """A candidate stored by an earlier session (pending again, or evaluated and replayed): told of like
+        one proposed in this one."""
+        self._parents[cand.id] = list(cand.parents)
+        self._operator_of[cand.id] = cand.operator
+
+    def retarget(self, task: Task, space: ParamSpace) -> None:
+        """Proposals from now on are for ``task`` in ``space`` (the task's arguments grew by an offer)."""
+        self.task, self.space = task, space
+
     # --- storing --------------------------------------------------------------------------------
 
     def add(self, genome: Genome, parents: list[str], operator: str) -> Candidate | None:
@@ -145,8 +165,8 @@ class Proposer:
         if not self.store.add_pending(genome=genome, parents=parents, operator=operator):
             self.duplicates += 1
             return None
-        self.parents_of[genome.id] = parents
-        self.op_of[genome.id] = operator
+        self._parents[genome.id] = parents
+        self._operator_of[genome.id] = operator
         return self.store.get(genome.id)
 
     def _store(self, op: Operator, ctx: ProposalContext, answer: Proposal | Genome | None) -> Candidate | None:
@@ -155,9 +175,9 @@ class Proposer:
     def _store_answer(self, op_name: str, parents: list[str], answer: Proposal | Genome | None) -> Candidate | None:
         proposal = answer if isinstance(answer, Proposal) else Proposal(genome=answer)
         genome = proposal.genome
-        if genome is not None and self.novelty is not None and genome.source is not None:
+        if genome is not None and self._novelty is not None and genome.source is not None:
             sources = [p.source for p in self.store.get_many(parents)]
-            if not self.novelty(genome, sources):
+            if not self._novelty(genome, sources):
                 self.novelty_rejected += 1
                 genome = None
         cand = self.add(genome, parents, op_name) if genome is not None else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -14,6 +15,9 @@ from evo.config import ExecutionConfig, RunConfig, dump_config, parse_config
 from evo.errors import UserError
 from runtime import Task
 from runtime.sandbox.limits import private_dir
+
+if TYPE_CHECKING:
+    from runtime.backends import Backend
 
 __all__ = ["RunDir", "build_archive"]
 
@@ -69,19 +73,21 @@ class RunDir:
         return parse_config(yaml.safe_load(view.config_text), source=f"{self.path / DB_NAME} (stored config)")
 
     def make_pool(self, workers: int, execution: ExecutionConfig | None = None, cc: str = "cc",
-                  backend: str = "") -> object:  # fmt: skip
+                  backend: Backend | None = None) -> object:  # fmt: skip
         """The executor: a :class:`runtime.pool.LocalPool` of ``workers``, or a :class:`runtime.raypool.RayPool`
-        over a Ray cluster (``execution.kind: ray``), whose slots are its nodes' (one per node for an engine
-        task, unless ``workers_per_node`` says otherwise, and the node's every CPU reserved: a load test
-        wants the machine; a CUDA task gets a node's GPUs, one slot each)."""
+        over a Ray cluster (``execution.kind: ray``), whose slots are its nodes' as the task's ``backend``
+        places them (:attr:`Backend.whole_node`: one per node unless ``workers_per_node`` says otherwise, every
+        CPU reserved; :attr:`Backend.per_gpu`: a node's GPUs, one slot each)."""
         if execution is not None and execution.kind == "ray":
             from runtime.raypool import ClusterUnavailable, MixedHardware, RayPool
 
-            per_node = execution.workers_per_node or (1 if backend == "engine" else None)
+            whole_node = backend is not None and backend.whole_node
+            per_node = execution.workers_per_node or (1 if whole_node else None)
             try:
                 return RayPool(execution.address, workers_per_node=per_node,
                                fingerprints=execution.fingerprints, use_head=execution.use_head,
-                               cc=cc, whole_machine=backend == "engine", gpus=backend == "cuda")  # fmt: skip
+                               cc=cc, whole_machine=whole_node,
+                               gpus=backend is not None and backend.per_gpu)  # fmt: skip
             except (ClusterUnavailable, MixedHardware) as exc:
                 raise UserError(str(exc)) from None
         from runtime.pool import LocalPool

@@ -44,7 +44,7 @@ def serve(run_dir: Path | None, follow: Path | None, elite: str, host: str, port
                         "pip install -c constraints.txt -e '.[serve,engine]'") from None
     if (run_dir is None) == (follow is None):
         raise UserError("give either RUN_DIR or --follow FACTORY_DIR (see evo serve --help)")
-    from evo.cli import warn_if_unfiltered
+    from evo.unfiltered import warn_if_unfiltered
 
     warn_if_unfiltered()
     try:

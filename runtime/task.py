@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,7 +26,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from genome import Genome, ParamSpace, render_source
-from runtime.runs import OpenRun
+from runtime.backends import BACKENDS, is_backend_ref
 
 __all__ = [
     "BUILTIN_TASKS", "VALUE_KINDS", "Case", "Descriptor", "KernelTask", "Slot", "Task", "TaskArgs", "TaskLoadError",
@@ -76,39 +76,17 @@ class Task(abc.ABC):
         self.args = self.Args.model_validate(dict(args or {}))
 
     @classmethod
-    def resolve_args(cls, args: Mapping[str, Any], cwd: str, runs: OpenRun | None = None) -> dict[str, Any]:
+    def resolve_args(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
         """``args`` as a run stores them: file paths made absolute against ``cwd`` (workers run in their own
-        directories), anything read from elsewhere frozen (a resumed run sees what the run started with);
-        ``runs`` opens other runs a task reads from (an engine task's kernel runs).
-        The default task takes neither: ``args`` unchanged."""
+        directories). The default task takes none: ``args`` unchanged. A task that reads other runs reads
+        them in :meth:`runtime.runs.FollowsRuns.read_runs`."""
         return dict(args)
-
-    def offers_every_s(self) -> float:
-        """How often a search asks :meth:`new_offers` for what appeared in the runs this task reads (0: never,
-        what the task offers is frozen when the run starts). The default task reads no run."""
-        return 0.0
-
-    @classmethod
-    def new_offers(cls, args: Mapping[str, Any], runs: OpenRun) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-        """Resolved ``args`` grown by what the runs they read offer now and did not when they were resolved,
-        and one record per addition; ``None``: nothing new. Offers only grow: every genome of the run stays
-        in the space. The default task reads no run."""
-        return None
-
-    def offer_seeds(self, base: Genome | None, added: Sequence[Mapping[str, Any]]) -> list[Genome]:
-        """Genomes that try what :meth:`new_offers` added, starting from ``base`` (the run's best, if any)."""
-        return []
 
     # --- what may vary --------------------------------------------------------------------------
 
     @abc.abstractmethod
     def space(self) -> ParamSpace:
         """The parameter space of the genome."""
-
-    def complete_space(self, space: ParamSpace) -> ParamSpace:
-        """``space`` (a config's ``space:``) with the parameters only the task can know added, such as choices
-        read from other runs when the search starts. The default task adds none."""
-        return space
 
     @abc.abstractmethod
     def seeds(self) -> list[Genome]:
@@ -332,9 +310,7 @@ def load_task_class(ref: str) -> type[Task]:
     if not isinstance(backend, str):
         raise TaskLoadError(f"{target!r} names no backend: subclass runtime.KernelTask for a C kernel task, "
                             "or set the class attribute `backend`")
-    from runtime.backends import BACKENDS  # here: the backends import this module
-
-    if backend not in BACKENDS and ":" not in backend:
+    if not is_backend_ref(backend):
         raise TaskLoadError(f"{target!r} names an unknown backend {backend!r}: use one of "
                             f"{', '.join(sorted(BACKENDS))} or 'module:Class' of a runtime.backends.Backend")
     return cls

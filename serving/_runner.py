@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from serving._metrics import Metrics
+from serving._runs import EliteNotFound, ServeError
 
 if TYPE_CHECKING:
     from runtime.engine import Engine, Model
@@ -27,14 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["BatchInfo", "EliteNotFound", "EngineHost", "EngineRunner", "ServeError", "Served"]
 
 log = logging.getLogger("serving")
-
-
-class ServeError(ValueError):
-    """A problem with what the user asked to serve (the CLI prints it as one line, exit 2)."""
-
-
-class EliteNotFound(ServeError):
-    """The run holds no candidate with that id."""
 
 
 @dataclass(frozen=True)

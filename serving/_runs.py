@@ -1,5 +1,5 @@
 """What serving reads of the served run directory, through the one read-only run view (archive.RunView):
-its task, its engine elites, its kernels."""
+its task, its engine elites, its kernels; and the error of asking it for what it does not hold."""
 
 from __future__ import annotations
 
@@ -12,9 +12,18 @@ from typing import Any
 from archive import RunView, Store, StoreError
 
 __all__ = [
-    "ID_PATTERN", "candidate", "is_engine_run", "model_dir", "open_run", "open_store", "resolve_engine_elite",
-    "run_task", "stored_config",
+    "ID_PATTERN", "EliteNotFound", "ServeError", "candidate", "is_engine_run", "model_dir", "open_run", "open_store",
+    "resolve_engine_elite", "run_task", "stored_config",
 ]
+
+
+class ServeError(ValueError):
+    """A problem with what the user asked to serve (the CLI prints it as one line, exit 2)."""
+
+
+class EliteNotFound(ServeError):
+    """The run holds no candidate with that id."""
+
 
 ID_PATTERN = re.compile(r"^[0-9a-fA-F]{1,64}$")  # a candidate id or prefix: hex only, never a path
 
@@ -22,8 +31,6 @@ ID_PATTERN = re.compile(r"^[0-9a-fA-F]{1,64}$")  # a candidate id or prefix: hex
 @contextmanager
 def open_run(run_dir: Path) -> Iterator[RunView]:
     """The run, read-only (one view per call: sqlite connections stay in their thread)."""
-    from serving._runner import ServeError
-
     try:
         view = RunView(run_dir)
     except StoreError as exc:
@@ -89,8 +96,6 @@ def resolve_engine_elite(run_dir: Path, elite: str) -> tuple[str | None, str]:
     run is not an engine run or has no ok candidate yet. ``default``: the default configuration.
     Anything else must be an ok candidate (id or unique prefix) of an engine run.
     """
-    from serving._runner import EliteNotFound, ServeError
-
     if elite == "default":
         return None, "the default engine configuration (EngineConfig())"
     engine = is_engine_run(run_dir)

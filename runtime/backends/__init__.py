@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from typing import TYPE_CHECKING
 
 from runtime.backends.base import (
     STAGES,
@@ -34,7 +35,9 @@ from runtime.backends.base import (
     UnsupportedStage,
     WorkerContext,
 )
-from runtime.task import Task
+
+if TYPE_CHECKING:
+    from runtime.task import Task
 
 __all__ = [
     "BACKENDS",
@@ -54,6 +57,7 @@ __all__ = [
     "UnsupportedStage",
     "WorkerContext",
     "backend_for",
+    "is_backend_ref",
 ]
 
 BACKENDS: dict[str, str] = {
@@ -61,6 +65,11 @@ BACKENDS: dict[str, str] = {
     "cuda": "runtime.backends.cuda:CudaBackend",
     "engine": "runtime.backends.engine:EngineBackend",
 }
+
+
+def is_backend_ref(ref: str) -> bool:
+    """Whether ``ref`` names a backend: a registered name, or ``module:Class`` (checked when first used)."""
+    return ref in BACKENDS or ":" in ref
 
 
 def backend_for(task: Task | type[Task]) -> Backend:

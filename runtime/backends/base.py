@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar, get_
 from genome import Genome
 from runtime.result import Status
 from runtime.settings import EvalSettings
-from runtime.task import Task
 from runtime.timing import TimingLock
 
 if TYPE_CHECKING:
     import numpy as np
 
     from runtime.sandbox.c_host import HostLauncher
+    from runtime.task import Task
 
 __all__ = [
     "STAGES",
@@ -68,7 +68,7 @@ Stage = Literal["compile", "check", "full", "run", "duel", "profile"]
 STAGES: tuple[Stage, ...] = get_args(Stage)
 _CORE_STAGES: frozenset[Stage] = frozenset({"compile", "check", "full"})
 
-T = TypeVar("T", bound=Task)
+T = TypeVar("T", bound="Task")  # a name only: the task module reads the backends' registry
 Outputs = dict[str, "np.ndarray"]
 
 
@@ -264,6 +264,10 @@ class Backend(abc.ABC, Generic[T]):
     program: ClassVar[type[Program]]
     """The type :meth:`load` returns: its base classes say which optional stages the backend offers."""
     check_columns: ClassVar[tuple[Column, ...]] = ()
+    whole_node: ClassVar[bool] = False
+    """On a cluster, one slot per node with every CPU of the node reserved (a load test wants the machine)."""
+    per_gpu: ClassVar[bool] = False
+    """On a cluster, one slot per GPU of a node."""
 
     @property
     def stages(self) -> frozenset[Stage]:

@@ -274,6 +274,7 @@ class CudaBackend(Backend[CudaTask]):
     """CUDA kernels through nvcc and pycuda, one GPU per worker."""
 
     name = "cuda"
+    per_gpu = True
     program = CudaProgram
     check_columns = (
         Column("registers", "regs"), Column("smem_bytes", "smem B"), Column("spill_bytes", "spill B"),

@@ -312,6 +312,7 @@ class EngineBackend(Backend[EngineTask]):
     """Engine configurations of a BERT sentence encoder (the bundled MiniLM by default), measured under load."""
 
     name = "engine"
+    whole_node = True
     program = EngineProgram
     check_columns = (Column("similarity", "min cosine"),)
 
@@ -375,7 +376,7 @@ class EngineBackend(Backend[EngineTask]):
     def prepare_worker(self, task: EngineTask) -> None:
         """Loads the task's model, texts and kernel sources, and makes one round trip through a process
         worker, so that the hosts' forked workers and their loop have what they import."""
-        from runtime.engine.workers import prime_engine_process
+        from runtime.sandbox.engine_host import prime_engine_process
 
         task.prime()
         prime_engine_process()

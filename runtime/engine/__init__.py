@@ -65,7 +65,7 @@ def elite_task(
     cls = load_task_class(run.task_name)
     if not issubclass(cls, EngineTask):
         raise ValueError(f"{run.path} is a {run.task_name!r} run, not an engine run")
-    task = cls(cls.resolve_args(run.task_args, str(run.path), runs=runs))
+    task = cls(cls.read_runs(cls.resolve_args(run.task_args, str(run.path)), runs))
     if model is not None:
         task.share_model(model)
     cand = run.stored(candidate_id)

@@ -26,7 +26,7 @@ from runtime.engine.load import ServingLoad
 from runtime.engine.model import Model, Precision
 from runtime.engine.ops import SLOTS, numpy_ops, tasks_of_slot
 from runtime.engine.runs import KernelSource, RunNotFound, build_ops, compile_kernels, kernel_offer
-from runtime.runs import OpenRun
+from runtime.runs import FollowsRuns, OpenRun
 from runtime.settings import CompilerSettings
 from runtime.task import Descriptor, Task, TaskArgs
 from runtime.toolchain.cc import CompileResult
@@ -99,7 +99,7 @@ class EngineArgs(TaskArgs, ServingLoad):
                                   "layout (default: the bundled all-MiniLM-L6-v2)")
 
 
-class EngineTask(Task):
+class EngineTask(Task, FollowsRuns):
     """Evolves an :class:`EngineConfig` for a BERT sentence encoder (default: the bundled MiniLM) under load
     (the ``engine`` backend)."""
 
@@ -120,24 +120,38 @@ class EngineTask(Task):
         self._sources: dict[tuple[str, str], KernelSource] = {}  # (slot, offered id) -> its kernel
 
     @classmethod
-    def resolve_args(cls, args: Mapping[str, Any], cwd: str, runs: OpenRun | None = None) -> dict[str, Any]:
-        """The kernel runs' and the model's directories made absolute against ``cwd``; with ``runs`` (what
-        opens a run: ``archive.read_run``), each kernel run read once: its ``top`` elites frozen into its
-        ``ids`` and their rendered sources into ``offered`` (a resumed run, a worker, a Ray node or a
-        server then offers exactly these kernels, without reading the run again, even when that kernel
-        run went on evolving), or why it could not be read into ``unreadable``."""
+    def resolve_args(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
+        """The kernel runs' and the model's directories made absolute against ``cwd``."""
         out = dict(args)
 
-        def absolute(kr: Any, slot: str) -> Any:
+        def absolute(kr: Any) -> Any:
             if isinstance(kr, Mapping) and isinstance(kr.get("run_dir"), str):
-                return _read({**kr, "run_dir": os.path.join(cwd, kr["run_dir"])}, slot, runs)
-            return [absolute(k, slot) for k in kr] if isinstance(kr, list) else kr
+                return {**kr, "run_dir": os.path.join(cwd, kr["run_dir"])}
+            return [absolute(k) for k in kr] if isinstance(kr, list) else kr
 
         kernels = out.get("kernels")
         if isinstance(kernels, Mapping):
-            out["kernels"] = {slot: absolute(kr, slot) for slot, kr in kernels.items()}
+            out["kernels"] = {slot: absolute(kr) for slot, kr in kernels.items()}
         if isinstance(out.get("model_dir"), str):
             out["model_dir"] = os.path.join(cwd, out["model_dir"])
+        return out
+
+    @classmethod
+    def read_runs(cls, args: Mapping[str, Any], runs: OpenRun) -> dict[str, Any]:
+        """Each kernel run read once (``runs``: ``archive.read_run``): its ``top`` elites frozen into its
+        ``ids`` and their rendered sources into ``offered``, or why it could not be read into ``unreadable``
+        (a resumed run, a worker, a Ray node or a server then offers exactly these kernels, even when that
+        kernel run went on evolving)."""
+
+        def read(kr: Any, slot: str) -> Any:
+            if isinstance(kr, Mapping) and isinstance(kr.get("run_dir"), str):
+                return _read(dict(kr), slot, runs)
+            return [read(k, slot) for k in kr] if isinstance(kr, list) else kr
+
+        out = dict(args)
+        kernels = out.get("kernels")
+        if isinstance(kernels, Mapping):
+            out["kernels"] = {slot: read(kr, slot) for slot, kr in kernels.items()}
         return out
 
     def offers_every_s(self) -> float:
@@ -365,10 +379,10 @@ class EngineTask(Task):
         }
 
 
-def _read(kr: dict[str, Any], slot: str, runs: OpenRun | None) -> dict[str, Any]:
+def _read(kr: dict[str, Any], slot: str, runs: OpenRun) -> dict[str, Any]:
     """A kernel run entry of ``slot`` with what the run offers read into it (as given when it was read
-    already, or when there is nothing to read it with)."""
-    if runs is None or kr.get("offered") is not None or kr.get("unreadable") is not None:
+    already)."""
+    if kr.get("offered") is not None or kr.get("unreadable") is not None:
         return kr  # read once already: a resumed run offers what it did (a followed run grows by new_offers)
     try:
         run = runs(kr["run_dir"])

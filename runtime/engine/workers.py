@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-__all__ = ["ProcessWorkers", "WorkerDied", "prime_engine_process"]
+__all__ = ["ProcessWorkers", "WorkerDied"]
 
 Forward = Callable[[Sequence[np.ndarray]], np.ndarray]
 
@@ -122,24 +122,3 @@ class ProcessWorkers:
             conn.close()
         self._procs.clear()
         self._conns.clear()
-
-
-def _lengths(seqs: list[np.ndarray]) -> np.ndarray:
-    return np.array([len(s) for s in seqs], np.float32)
-
-
-def prime_engine_process() -> None:
-    """Imports what an engine's process runs later (its hosts' loop, threadpoolctl) and makes one round trip
-    through a process worker: call it before a drop of privileges, after which the interpreter's own files may
-    not be readable."""
-    import threadpoolctl  # noqa: F401
-
-    import runtime.sandbox.engine_host  # noqa: F401
-    from runtime.sandbox.limits import preload_modules
-
-    preload_modules()
-    workers = ProcessWorkers(_lengths, 1)
-    try:
-        workers([np.zeros(3, np.int32)])
-    finally:
-        workers.close()

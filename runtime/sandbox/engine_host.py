@@ -243,6 +243,27 @@ def template_main(sock: socket.socket, model: Model, parent: int, keep: set[int]
         sock.send(json.dumps({"pid": pid, "output": output}).encode())
 
 
+def _lengths(seqs: list[np.ndarray]) -> np.ndarray:
+    return np.array([len(s) for s in seqs], np.float32)
+
+
+def prime_engine_process() -> None:
+    """Imports what an engine's process runs later (this loop, threadpoolctl) and makes one round trip
+    through a process worker: call it before a drop of privileges, after which the interpreter's own files may
+    not be readable."""
+    import threadpoolctl  # noqa: F401
+
+    from runtime.engine.workers import ProcessWorkers
+    from runtime.sandbox.limits import preload_modules
+
+    preload_modules()
+    workers = ProcessWorkers(_lengths, 1)
+    try:
+        workers([np.zeros(3, np.int32)])
+    finally:
+        workers.close()
+
+
 def _print_to(path: str) -> None:
     """What this process prints goes to a file of its own (created here), not the worker's log: a kernel could
     rewrite a log it shares."""
@@ -280,7 +301,6 @@ def main(argv: list[str]) -> int:
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.engine.model import load_model
     from runtime.engine.ops import numpy_ops
-    from runtime.engine.workers import prime_engine_process
     from runtime.sandbox.limits import enter_sandbox, make_undumpable, sandbox_ids
     from runtime.settings import CompilerSettings, SandboxSettings
     from runtime.task import load_task_class

@@ -181,7 +181,7 @@ def engine_requests(tmp: Path, sources: list[str], **args) -> list[EvalRequest]:
 
     ids = kernel_run(tmp / "kernels", sources)
     kernels = {"layernorm": {"run_dir": str(tmp / "kernels"), "ids": ids}}
-    resolved = EngineTask.resolve_args({**ARGS, **args, "kernels": kernels}, str(tmp), runs=read_run)
+    resolved = EngineTask.read_runs(EngineTask.resolve_args({**ARGS, **args, "kernels": kernels}, str(tmp)), read_run)
     spec = TaskSpec(name="engine", args=resolved)
     settings = EvalSettings.model_validate({"timing": {"lock_file": str(tmp / "timing.lock")},
                                             "sandbox": {"timeout": 120.0}})  # fmt: skip

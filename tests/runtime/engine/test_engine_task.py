@@ -122,14 +122,15 @@ def test_a_missing_kernel_run_is_an_error_unless_optional(tmp_path):
     from genome import SpaceError
 
     missing = {"gelu": {"run_dir": str(tmp_path / "no-run")}}
-    resolved = EngineTask.resolve_args({**TINY, "kernels": missing}, str(tmp_path), runs=read_run)
+    resolved = EngineTask.read_runs(EngineTask.resolve_args({**TINY, "kernels": missing}, str(tmp_path)), read_run)
     assert "no run in" in resolved["kernels"]["gelu"]["unreadable"]
     with pytest.raises(SpaceError, match=r"kernels\.gelu: no run in .*optional: true"):
         EngineTask(resolved).space()
     with pytest.raises(SpaceError, match=r"kernels\.gelu: .* was not read"):  # never resolved: says so
         EngineTask({**TINY, "kernels": missing}).space()
     optional = {"gelu": {**missing["gelu"], "optional": True}}
-    t = EngineTask(EngineTask.resolve_args({**TINY, "kernels": optional}, str(tmp_path), runs=read_run))
+    t = EngineTask(EngineTask.read_runs(EngineTask.resolve_args({**TINY, "kernels": optional}, str(tmp_path)),
+                                        read_run))  # fmt: skip
     assert "kernel_gelu" not in t.space().names() and "kernel_gelu" not in t.seeds()[0].params
 
 
@@ -152,8 +153,8 @@ def test_a_kernel_run_is_read_once_into_the_args_it_travels_in(tmp_path):
         store.add_pending(genome=genome, operator="seed")
         store.record_result(genome.id, EvalResult(status=Status.OK, fitness=float(i), unit="GB/s"))
     store.close()
-    args = EngineTask.resolve_args({**TINY, "kernels": {"gelu": {"run_dir": "gelu-run", "top": 2}}}, str(tmp_path),
-                                   runs=read_run)  # fmt: skip
+    kernels = {"gelu": {"run_dir": "gelu-run", "top": 2}}
+    args = EngineTask.read_runs(EngineTask.resolve_args({**TINY, "kernels": kernels}, str(tmp_path)), read_run)
     entry = args["kernels"]["gelu"]
     assert entry["run_dir"] == str(run) and len(entry["ids"]) == 2
     offered = [o["source"] for o in entry["offered"].values()]  # rendered: the fittest first
@@ -163,7 +164,7 @@ def test_a_kernel_run_is_read_once_into_the_args_it_travels_in(tmp_path):
     assert task.kernel_choices() == {"gelu": [i[:16] for i in entry["ids"]]}
     config = task.engine_config(Genome(params={**task.seeds()[-1].params}))
     assert task.kernel_sources(config)["gelu"].source == offered[0]
-    assert EngineTask.resolve_args(args, str(tmp_path), runs=read_run) == args
+    assert EngineTask.read_runs(EngineTask.resolve_args(args, str(tmp_path)), read_run) == args
 
 
 def test_relative_kernel_run_dirs_are_made_absolute():  # nothing to read them with: paths only
