@@ -1,14 +1,16 @@
-"""What is *kept*: the SQLite store of every candidate and its lineage, MAP-Elites archives, queries."""
+"""What is *kept*: the SQLite store of every candidate and its lineage, MAP-Elites archives, queries, and the
+files of a factory directory."""
 
 from archive._base import AddStatus, Archive, Descriptors, Elite, QDSnapshot, QDStats
 from archive._candidate import Candidate
 from archive._cvt import CVTArchive
 from archive._errors import AmbiguousIdError, CandidateNotFoundError, SchemaVersionError, StoreError
+from archive._factory import FactoryDir, RoundFiles
 from archive._grid import GridArchive
 from archive._llm import OUTCOME_RANK, LLMCall
 from archive._query import LAYOUT_KEY, best_per_cell, load_archive, operator_stats, rebuild_archive, save_layout
 from archive._schema import SCHEMA_VERSION
-from archive._store import PendingEntry, Store
+from archive._store import PendingEntry, Store, is_run, run_db
 from archive._view import OFFERS_KEY, Objective, RunNotFound, RunView, pareto_front, read_run
 
 __all__ = [
@@ -24,22 +26,26 @@ __all__ = [
     "CandidateNotFoundError",
     "Descriptors",
     "Elite",
+    "FactoryDir",
     "GridArchive",
     "LLMCall",
     "Objective",
     "PendingEntry",
     "QDSnapshot",
     "QDStats",
+    "RoundFiles",
     "RunNotFound",
     "RunView",
     "SchemaVersionError",
     "Store",
     "StoreError",
     "best_per_cell",
+    "is_run",
     "load_archive",
     "operator_stats",
     "pareto_front",
     "read_run",
     "rebuild_archive",
+    "run_db",
     "save_layout",
 ]

@@ -28,7 +28,7 @@ from archive._sqlite import use_wal
 from genome import Genome, canonical_json
 from runtime.result import EvalResult, Status
 
-__all__ = ["PendingEntry", "Store"]
+__all__ = ["PendingEntry", "Store", "is_run", "run_db"]
 
 PendingEntry = tuple[Genome, Sequence[str], str]
 """``(genome, parent ids, operator name)``: one candidate for :meth:`Store.add_pending_many`."""
@@ -51,7 +51,7 @@ class Store(LLMRecords):
     def __init__(self, path: str | os.PathLike[str], *, readonly: bool = False) -> None:
         p = Path(path)
         if p.is_dir():
-            p = p / self.FILENAME
+            p = run_db(p)
         self.path = p
         self.readonly = readonly
         if readonly:
@@ -377,3 +377,13 @@ class Store(LLMRecords):
             return []
         rows = self._conn.execute("SELECT evals, elapsed_s, weights FROM bandit_history ORDER BY rowid")
         return [(e, s, json.loads(w)) for e, s, w in rows]
+
+
+def run_db(run_dir: str | os.PathLike[str]) -> Path:
+    """The store file of the run in ``run_dir`` (what a user opens with ``sqlite3``)."""
+    return Path(run_dir) / Store.FILENAME
+
+
+def is_run(run_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``run_dir`` holds a run: its store file, there once ``evo run`` has started in it."""
+    return run_db(run_dir).is_file()

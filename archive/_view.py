@@ -22,7 +22,7 @@ from archive._base import Archive
 from archive._candidate import Candidate
 from archive._errors import CandidateNotFoundError, StoreError
 from archive._query import rebuild_archive
-from archive._store import Store
+from archive._store import Store, run_db
 from runtime import runs as _runtime_runs
 
 __all__ = ["OFFERS_KEY", "Objective", "RunNotFound", "RunView", "pareto_front", "read_run"]
@@ -69,7 +69,7 @@ class RunView:
 
     def __init__(self, path: str | os.PathLike[str], *, store: Store | None = None) -> None:
         self.path = Path(path)
-        db = self.path / Store.FILENAME
+        db = run_db(self.path)
         if store is None and not db.is_file():
             raise RunNotFound(f"no run in {self.path} (expected {db}): check the path, or start one with evo run")
         self.store = store or Store(db, readonly=True)

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from archive import Store  # noqa: E402
+from archive import Store, run_db  # noqa: E402
 from genome import Genome  # noqa: E402
 from runtime.result import EvalResult, Status  # noqa: E402
 
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="where to write archive.db (default: a temp dir)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        run(args, (args.dir or Path(tmp)) / "archive.db")
+        run(args, run_db(args.dir or Path(tmp)))
 
 
 def run(args: argparse.Namespace, path: Path) -> None:

@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "runtime" / "engine")]
 
 from bert_models import make_bert  # noqa: E402
 
-from evo.factory.run import read_promotions  # noqa: E402
+from archive import FactoryDir  # noqa: E402
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "evo", "factory", str(args.out / "factory.yaml"), "--dir", str(factory)],
                    check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)  # fmt: skip
     wall = time.monotonic() - t0
-    promoted = read_promotions(factory)
+    promoted = FactoryDir(factory).promotions()
     if not promoted:
         raise SystemExit(f"the factory promoted nothing: see evo factory status {factory}")
     last = promoted[-1]

@@ -26,9 +26,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from archive import FactoryDir  # noqa: E402
 from evo.factory.config import FactoryConfig  # noqa: E402
 from evo.factory.measure import Measurer  # noqa: E402
-from evo.factory.run import read_promotions  # noqa: E402
 
 HAND = (("gelu_minilm", 12), ("layernorm_minilm", 12), ("softmax_cpu", 40), ("linear_bf16_minilm", 24),
         ("linear_int8_minilm", 24))  # fmt: skip
@@ -90,10 +90,11 @@ def main() -> None:
 
     with read_run(hand / "engine_minilm") as run:
         hand_elite = run.elite_ids(1)[0]
-    promoted = read_promotions(args.out / "factory")
+    factory = FactoryDir(args.out / "factory")
+    promoted = factory.promotions()
     factory_engine = ({"run_dir": promoted[-1]["run_dir"], "elite": promoted[-1]["elite"]} if promoted
                       else None)  # fmt: skip
-    factory_cfg = FactoryConfig.model_validate(yaml.safe_load((args.out / "factory" / "factory.yaml").read_text()))
+    factory_cfg = FactoryConfig.model_validate(factory.read_config())
     promote = factory_cfg.promote.model_copy(update={"held_out_texts": 64, "rounds": args.duel_rounds,
                                                      "duration_s": args.duration})  # fmt: skip
     # the factory's own duel: a sandboxed worker, each engine in a filtered host, the clock in the worker

@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from archive import Store  # noqa: E402
+from archive import Store, run_db  # noqa: E402
 from genome import Genome  # noqa: E402
 from runtime import EvalRequest, EvalSettings, TaskSpec  # noqa: E402
 from runtime.result import EvalResult, Status  # noqa: E402
@@ -74,7 +74,7 @@ def main() -> None:
         per_node = max(1, slots // args.nodes)
         with tempfile.TemporaryDirectory() as tmp, RayPool(cluster.address, workers_per_node=per_node,
                                                            say=lambda line: None, evaluator=SleepEvaluator) as pool:
-            store = Store(os.path.join(tmp, "archive.db"))
+            store = Store(run_db(tmp))
             n, done, store_s = 0, 0, 0.0
             t_end = None
             t0 = time.monotonic()

@@ -25,6 +25,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from archive import run_db  # noqa: E402
 
 
 def config(n: int, evals: int, seed: int, memory: dict, initial_random: int | None) -> dict:
@@ -49,7 +52,7 @@ def run(tmp: Path, name: str, cfg: dict) -> tuple[Path, float]:
 
 def trajectory(run_dir: Path) -> list[tuple[int, float, str]]:
     """(evaluation number, vs_reference or 0, operator) in evaluation order."""
-    con = sqlite3.connect(run_dir / "archive.db")
+    con = sqlite3.connect(run_db(run_dir))
     rows = con.execute("SELECT eval_seq, status, json_extract(metrics, '$.vs_reference'), operator FROM candidates "
                        "WHERE eval_seq IS NOT NULL ORDER BY eval_seq").fetchall()
     con.close()

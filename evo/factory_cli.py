@@ -65,11 +65,12 @@ def run(config_path: Path, path: Path | None, resume: bool, rounds: int | None) 
 
 
 def _status(path: Path) -> dict[str, Any]:
-    from evo.factory import read_events, read_promotions
+    from archive import FactoryDir
 
-    if not (path / "factory.yaml").exists():
-        raise UserError(f"no factory in {path} (expected {path / 'factory.yaml'})")
-    return {"dir": str(path), "events": read_events(path), "promotions": read_promotions(path)}
+    files = FactoryDir(path)
+    if not files.exists():
+        raise UserError(f"no factory in {path} (expected {files.config_file})")
+    return {"dir": str(path), "events": files.events(), "promotions": files.promotions()}
 
 
 @factory.command()

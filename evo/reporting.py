@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from archive import run_db
 from evo.confirm import provenance
 from runtime import EvalResult, Status
 
@@ -118,6 +119,6 @@ class RichReporter:
             table.add_row("memory", f"{x['memory_seeds']} seeds from {len(x['seeded_from'])} earlier runs, "
                                     f"{x['memory_recorded']} discoveries recorded, "
                                     f"{x['novelty_rejected']} near-duplicates rejected")
-        table.add_row("stored in", str(summary.run_dir / "archive.db"))
+        table.add_row("stored in", str(run_db(summary.run_dir)))
         table.add_row("next", f"evo archive best {summary.run_dir} --top 5")
         out.print(table)

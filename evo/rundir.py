@@ -10,7 +10,19 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from archive import LAYOUT_KEY, Archive, CVTArchive, GridArchive, RunView, Store, StoreError, load_archive, save_layout
+from archive import (
+    LAYOUT_KEY,
+    Archive,
+    CVTArchive,
+    GridArchive,
+    RunView,
+    Store,
+    StoreError,
+    is_run,
+    load_archive,
+    run_db,
+    save_layout,
+)
 from evo.config import ExecutionConfig, RunConfig, dump_config, parse_config
 from evo.errors import UserError
 from runtime import Task
@@ -20,8 +32,6 @@ if TYPE_CHECKING:
     from runtime.backends import Backend
 
 __all__ = ["RunDir", "build_archive"]
-
-DB_NAME = "archive.db"
 
 
 class RunDir:
@@ -36,12 +46,12 @@ class RunDir:
 
     @classmethod
     def create(cls, path: Path, config: RunConfig) -> RunDir:
-        if (path / DB_NAME).exists():
+        if run_db(path).exists():
             raise UserError(
                 f"{path} already holds a run: pass --resume to continue it, or --run-dir to start a new one"
             )
         private_dir(path)
-        store = Store(path / DB_NAME)
+        store = Store(run_db(path))
         text = dump_config(config)
         store.set_meta("config", text)
         store.set_meta("sys_path", json.dumps([p for p in sys.path if p]))
@@ -51,10 +61,10 @@ class RunDir:
     @classmethod
     def open(cls, path: Path, *, readonly: bool = False) -> RunDir:
         """The run in ``path``: to continue it, or (``readonly``) to read it through its :class:`RunView`."""
-        if not (path / DB_NAME).is_file():
-            raise UserError(f"no run in {path} (expected {path / DB_NAME}): check the path, or start one with evo run")
+        if not is_run(path):
+            raise UserError(f"no run in {path} (expected {run_db(path)}): check the path, or start one with evo run")
         try:
-            store = RunView(path).store if readonly else Store(path / DB_NAME)
+            store = RunView(path).store if readonly else Store(run_db(path))
         except StoreError as exc:
             raise UserError(str(exc)) from None
         return cls(path, store)
@@ -70,7 +80,7 @@ class RunDir:
         """The config the run was started with (its user task module path restored onto sys.path)."""
         view = self.view()
         view.import_paths()
-        return parse_config(yaml.safe_load(view.config_text), source=f"{self.path / DB_NAME} (stored config)")
+        return parse_config(yaml.safe_load(view.config_text), source=f"{run_db(self.path)} (stored config)")
 
     def make_pool(self, workers: int, execution: ExecutionConfig | None = None, cc: str = "cc",
                   backend: Backend | None = None) -> object:  # fmt: skip

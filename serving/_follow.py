@@ -1,37 +1,25 @@
 """``evo serve --follow FACTORY_DIR``: serve what a factory promotes, swapping to each new promotion.
 
-A thread polls the factory's ``promotions.jsonl``; a new last line is built and warmed beside the
-engine being served and then swapped in through the same path as ``POST /admin/elite`` (requests in
-flight finish on the old engine, none fails). Each swap, or a failed one and why, is appended to the
-factory's ``swaps.jsonl``.
+A thread polls the factory's promotions (read through :class:`archive.FactoryDir`); a new last one is built
+and warmed beside the engine being served and then swapped in through the same path as ``POST /admin/elite``
+(requests in flight finish on the old engine, none fails). Each swap, or a failed one and why, is appended to
+the factory's swaps.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from archive import FactoryDir
 from serving._runner import EngineHost
 
-__all__ = ["Follower", "latest_promotion"]
+__all__ = ["Follower"]
 
 log = logging.getLogger("serving")
-
-
-def latest_promotion(factory_dir: Path) -> dict[str, Any] | None:
-    """The factory's last promotion (a torn last line, being written, is skipped)."""
-    path = factory_dir / "promotions.jsonl"
-    last = None
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            last = json.loads(line)
-        except ValueError:
-            continue
-    return last
 
 
 class Follower:
@@ -40,6 +28,7 @@ class Follower:
     def __init__(self, host: EngineHost, factory_dir: Path, served: dict[str, Any] | None, *,
                  every_s: float = 2.0) -> None:  # fmt: skip
         self.host, self.factory_dir, self.every_s = host, factory_dir, every_s
+        self._files = FactoryDir(factory_dir)
         self._served = (served or {}).get("run_dir"), (served or {}).get("elite")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="evoforge-follow", daemon=True)
@@ -60,7 +49,7 @@ class Follower:
 
     def check(self) -> bool:
         """Swaps to the latest promotion if it is new; True when it swapped."""
-        latest = latest_promotion(self.factory_dir)
+        latest = self._files.latest_promotion()
         if latest is None or (latest["run_dir"], latest["elite"]) == self._served:
             return False
         record: dict[str, Any] = {"round": latest.get("round"), "run_dir": latest["run_dir"], "elite": latest["elite"]}
@@ -75,6 +64,5 @@ class Follower:
             log.info("following %s: now serving %s of %s", self.factory_dir, latest["elite"][:12], latest["run_dir"])
         self._served = latest["run_dir"], latest["elite"]  # a failed one is not retried in a loop
         record.update(at=time.time(), swap_s=time.perf_counter() - t0)
-        with (self.factory_dir / "swaps.jsonl").open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._files.add_swap(record)
         return bool(record["ok"])

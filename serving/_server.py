@@ -14,6 +14,7 @@ import signal
 import socket
 from pathlib import Path
 
+from archive import FactoryDir, is_run, run_db
 from serving._runner import ServeError
 from serving._runs import resolve_engine_elite, stored_config
 from serving._state import Limits
@@ -50,20 +51,19 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
     from serving._app import create_app
 
     if follow is not None:
-        from serving._follow import latest_promotion
-
         follow = Path(follow)
-        if not (follow / "factory.yaml").is_file():
-            raise ServeError(f"no factory in {follow} (expected {follow / 'factory.yaml'}): give a factory directory")
-        latest = latest_promotion(follow)
+        factory = FactoryDir(follow)
+        if not factory.exists():
+            raise ServeError(f"no factory in {follow} (expected {factory.config_file}): give a factory directory")
+        latest = factory.latest_promotion()
         if latest is None:
             raise ServeError(f"{follow} has promoted no engine yet: evo factory status {follow} says where it is")
         run_dir, elite = latest["run_dir"], latest["elite"]
     if run_dir is None:
         raise ServeError("give a RUN_DIR to serve, or --follow FACTORY_DIR")
     run_dir = Path(run_dir)
-    if not (run_dir / "archive.db").is_file():
-        raise ServeError(f"no run in {run_dir} (expected {run_dir / 'archive.db'}): give the directory of an evo run")
+    if not is_run(run_dir):
+        raise ServeError(f"no run in {run_dir} (expected {run_db(run_dir)}): give the directory of an evo run")
     stored_config(run_dir)
     api_key = None
     if api_key_env:

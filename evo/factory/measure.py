@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from archive import FactoryDir
 from evo.factory.config import FactoryConfig
 from genome import Genome
 from runtime.executor import EvalRequest
@@ -41,8 +42,8 @@ class Measurer:
 
     def __init__(self, factory_dir: Path, config: FactoryConfig) -> None:
         self.config = config
-        self.cache_dir = factory_dir / "cache"
-        self.log_dir = factory_dir / "logs" / "measurements"
+        files = FactoryDir(factory_dir)
+        self.cache_dir, self.log_dir = files.cache_dir, files.measurement_logs
         self._pool: Any = None
 
     def profile(self, engine: EngineRef) -> EvalResult:

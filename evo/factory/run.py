@@ -1,18 +1,11 @@
 """The factory: rounds of profile -> plan -> kernel searches with the engine search alongside -> duel ->
 promotion.
 
-Everything lives in the factory directory, and every step leaves its evidence there before the next
-starts, so ``--resume`` (after a crash or ``kill -9``) redoes only the step that was cut short, and
-that step's search resumes as any run does:
-
-    factory.yaml          the config, frozen at the start
-    profiles/round-N.json where the incumbent engine's time went, measured at the start of round N
-    plans/round-N.json    the searches of round N, each with its budget and why (and why not, per slot)
-    runs/<task>           one kernel run per slot task, extended every round it is planned
-    runs/engine-rN        round N's engine search, following the kernel runs (offered each elite as it lands)
-    duels/round-N.json    its best against the incumbent: held-out similarity, side-by-side load
-    promotions.jsonl      every promoted engine with its figures (what ``evo serve --follow`` serves)
-    events.jsonl          each decision and when, with its reason
+Everything lives in the factory directory (:class:`archive.FactoryDir` lays it out), and every step leaves
+its evidence there before the next starts, so ``--resume`` (after a crash or ``kill -9``) redoes only the step
+that was cut short, and that step's search resumes as any run does: a round's profile, its plan, a kernel run
+per planned task, the round's engine run following the kernel runs (offered each elite as it lands), its best
+engine's duel against the incumbent, and the promotion when it wins; every decision and why in the events.
 
 Each search is an ``evo run`` in a process of its own that dies with the factory. Here the kernel searches
 run one after another and the engine search beside them (on a Ray cluster, a round's kernel searches at
@@ -23,7 +16,6 @@ that share it cost each other time, never accuracy.
 from __future__ import annotations
 
 import ctypes
-import json
 import signal
 import subprocess
 import sys
@@ -32,8 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from archive import FactoryDir, is_run
 from evo.errors import UserError
 from evo.factory.config import FactoryConfig
 from evo.factory.kernels import engine_run_config, kernel_run_config
@@ -42,7 +33,7 @@ from evo.factory.plan import Plan, make_plan
 from runtime.result import Status
 from runtime.sandbox.limits import private_dir
 
-__all__ = ["Factory", "read_events", "read_promotions"]
+__all__ = ["Factory"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -71,33 +62,9 @@ class _Search:
             self.proc.wait()
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file, oldest first; a line torn by a kill (or anything not a record) is
-    skipped: the step it records is redone on --resume."""
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
-
-
 def _failure(result: Any) -> str:
     """A failed measurement's status and error, in a line or a few (a candidate's own output included)."""
     return f"{result.status}: {(result.error or '').strip()[-1500:]}"
-
-
-def read_promotions(factory_dir: Path) -> list[dict[str, Any]]:
-    """Every promotion of the factory in ``factory_dir``, oldest first."""
-    return _read_jsonl(factory_dir / "promotions.jsonl")
-
-
-def read_events(factory_dir: Path) -> list[dict[str, Any]]:
-    """Every decision of the factory in ``factory_dir`` and when, oldest first."""
-    return _read_jsonl(factory_dir / "events.jsonl")
 
 
 class Factory:
@@ -106,25 +73,26 @@ class Factory:
     def __init__(self, config: FactoryConfig, path: Path, *, note: Callable[[str], None] = print) -> None:
         # absolute: promotions name their runs by path, for a server started anywhere
         self.config, self.path, self.note = config, path.resolve(), note
+        self.dir = FactoryDir(self.path)
         self.measurer = Measurer(self.path, config)
 
     @classmethod
     def create(cls, config: FactoryConfig, path: Path, **kw: Any) -> Factory:
-        if (path / "factory.yaml").exists():
+        if FactoryDir(path).exists():
             raise UserError(f"{path} already holds a factory: continue it with --resume, or choose another --dir")
         factory = cls(config, path, **kw)
         factory._model_config()  # a model the engine cannot run is one line, before anything is written
         private_dir(path)
-        (path / "factory.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        factory.dir.write_config(config.model_dump(mode="json"))
         return factory
 
     @classmethod
     def open(cls, path: Path, *, rounds: int | None = None, **kw: Any) -> Factory:
         """The factory in ``path`` with its frozen config (``rounds``: more rounds than it was started with)."""
-        stored = path / "factory.yaml"
+        stored = FactoryDir(path)
         if not stored.exists():
-            raise UserError(f"no factory in {path} (expected {stored}): start one with evo factory CONFIG")
-        config = FactoryConfig.model_validate(yaml.safe_load(stored.read_text()))
+            raise UserError(f"no factory in {path} (expected {stored.config_file}): start one with evo factory CONFIG")
+        config = FactoryConfig.model_validate(stored.read_config())
         if rounds is not None:
             config = config.model_copy(update={"budget": config.budget.model_copy(update={"rounds": rounds})})
         private_dir(path)  # one started by an older version too
@@ -144,9 +112,8 @@ class Factory:
             self.measurer.close()
 
     def _profile(self, n: int) -> dict[str, Any]:
-        path = self.path / "profiles" / f"round-{n}.json"
-        if path.exists():
-            return json.loads(path.read_text())
+        if self.dir.profiles.has(n):
+            return self.dir.profiles.read(n)
         incumbent = self.incumbent()
         result = self.measurer.profile(incumbent)
         if result.status != Status.OK and incumbent is not None:  # the default engine's, to plan by
@@ -155,22 +122,21 @@ class Factory:
         if result.status != Status.OK:
             raise RuntimeError(f"the default engine could not be profiled: {_failure(result)}")
         got = result.metrics["profile"]
-        self._write(path, got)
+        self.dir.profiles.write(n, got)
         top = ", ".join(f"{k} {v:.0%}" for k, v in sorted(got["shares"].items(), key=lambda kv: -kv[1])[:5])
         self._event("profiled", round=n, engine=incumbent, why=f"where the time goes: {top}")
         return got
 
     def _plan(self, n: int, profile: dict[str, Any]) -> Plan:
-        path = self.path / "plans" / f"round-{n}.json"
-        if path.exists():
-            return Plan.from_dict(json.loads(path.read_text()))
+        if self.dir.plans.has(n):
+            return Plan.from_dict(self.dir.plans.read(n))
         from runtime.engine.profile import Profile
         from runtime.hardware import cpu_flags
 
         cfg = self._model_config()
         plan = make_plan(n, Profile.from_dict(profile), self.config, cpu_flags=sorted(cpu_flags()),
                          hidden=cfg.hidden, intermediate=cfg.intermediate, gains=self._gains(n))  # fmt: skip
-        self._write(path, plan.to_dict())
+        self.dir.plans.write(n, plan.to_dict())
         for s in plan.searches:
             self._event("planned", round=n, slot=s.slot, task=s.task, evals=s.evals, why=s.why)
         for slot, why in plan.skipped.items():
@@ -181,30 +147,25 @@ class Factory:
         """Each slot's relative gain in its search of the last round (its run's best after over before)."""
         if n == 1:
             return {}
-        last = json.loads((self.path / "plans" / f"round-{n - 1}.json").read_text())
+        last = self.dir.plans.read(n - 1)
         by_slot: dict[str, list[float | None]] = {}
         for s in last["searches"]:
-            entry = self._history(s["task"]).get(n - 1) or {}
+            entry = self.dir.history(s["task"]).get(n - 1) or {}
             before, after = entry.get("before"), entry.get("after")
             by_slot.setdefault(s["slot"], []).append((after / before - 1) if before and after else None)
         # a slot several tasks searched (bf16, int8): the best of their gains, unmeasured while one is
         return {slot: None if None in g else max(x for x in g if x is not None) for slot, g in by_slot.items()}
 
-    def _history(self, task: str) -> dict[int, dict[str, float | None]]:
-        """Round -> the kernel run's best before and after that round's search."""
-        path = self.path / "runs" / task / "factory-rounds.json"
-        return {int(k): v for k, v in json.loads(path.read_text()).items()} if path.exists() else {}
-
     def _searches(self, n: int, plan: Plan) -> Path:
         """Round ``n``'s kernel searches, with its engine search alongside following their runs (it offers each
         new kernel elite as it lands); the engine search's last ``engine_after_kernels`` evaluations wait for
         the kernel searches to end, so they try every kernel the round found."""
-        run_dir = self.path / "runs" / f"engine-r{n}"
-        if (run_dir / "factory-done").exists():
+        run_dir = self.dir.engine_run(n)
+        if self.dir.engine_done(n):
             return run_dir
         config = self._engine_config(n, plan)
         b = self.config.budget
-        pending = [s for s in plan.searches if n not in self._history(s.task)]
+        pending = [s for s in plan.searches if n not in self.dir.history(s.task)]
         started: list[_Search] = []
         try:
             if pending and b.engine_evals > b.engine_after_kernels:
@@ -226,47 +187,46 @@ class Factory:
         finally:
             for search in started:
                 search.kill()  # a failed search (or an interrupt) leaves none running
-        (run_dir / "factory-done").write_text("")
-        self._event("searched", round=n, task="engine", evaluations=self._evaluations(run_dir),
+        self.dir.mark_engine_done(n)
+        self._event("searched", round=n, task=FactoryDir.ENGINE, evaluations=self._evaluations(run_dir),
                     best=self._best(run_dir), offered=self._offers(run_dir))  # fmt: skip
         return run_dir
 
     def _start_kernel(self, n: int, task: str, evals: int) -> tuple[_Search, float | None]:
-        run_dir = self.path / "runs" / task
-        exists = (run_dir / "archive.db").exists()
+        run_dir = self.dir.run_dir(task)
+        exists = is_run(run_dir)
         before = self._best(run_dir) if exists else None
         target = self._target(task, n)  # from the plans: a search resumed after a crash gets no more
-        config = self.path / "configs" / f"{task}.yaml"
-        config.parent.mkdir(exist_ok=True)
+        config = self.dir.run_config(task)
         if not exists:  # a resumed run keeps the config it started with; only its budget grows
-            config.write_text(yaml.safe_dump(kernel_run_config(task, self.config, self._model_config(), target)))
+            self.dir.write_run_config(task, kernel_run_config(task, self.config, self._model_config(), target))
         self.note(f"kernel search {task}: {evals} evaluations (to {target} in all)")
         return self._start(config, run_dir, max_evals=target), before
 
     def _end_kernel(self, n: int, task: str, before: float | None) -> None:
-        run_dir = self.path / "runs" / task
-        history = self._history(task)
+        run_dir = self.dir.run_dir(task)
+        history = self.dir.history(task)
         history[n] = {"before": before, "after": self._best(run_dir)}
-        self._write(run_dir / "factory-rounds.json", {str(k): v for k, v in history.items()})
+        self.dir.write_history(task, history)
         self._event("searched", round=n, task=task, evaluations=self._evaluations(run_dir), **history[n])
 
     def _target(self, task: str, n: int) -> int:
         """The evaluations ``task``'s run has in all once round ``n``'s search is done: its plans' sum."""
         total = 0
         for k in range(1, n + 1):
-            plan = json.loads((self.path / "plans" / f"round-{k}.json").read_text())
+            plan = self.dir.plans.read(k)
             total += sum(s["evals"] for s in plan["searches"] if s["task"] == task)
         return total
 
     def _engine_config(self, n: int, plan: Plan) -> Path:
         """Round ``n``'s engine run config (written once): following every kernel run the factory has and the
         round plans."""
-        config = self.path / "configs" / f"engine-r{n}.yaml"
+        name = self.dir.engine_run(n).name
+        config = self.dir.run_config(name)
         if not config.exists():
-            tasks = set(self._searched_tasks()) | {s.task for s in plan.searches}
-            kernel_runs = {t: self.path / "runs" / t for t in sorted(tasks)}
-            config.parent.mkdir(exist_ok=True)
-            config.write_text(yaml.safe_dump(engine_run_config(self.config, kernel_runs)))
+            tasks = set(self.dir.kernel_tasks()) | {s.task for s in plan.searches}
+            kernel_runs = {t: self.dir.run_dir(t) for t in sorted(tasks)}
+            self.dir.write_run_config(name, engine_run_config(self.config, kernel_runs))
         return config
 
     def _offers(self, run_dir: Path) -> list[dict[str, Any]]:
@@ -278,15 +238,14 @@ class Factory:
         return [{"slot": o["slot"], "id": o["id"], "evaluations": o["evaluations"]} for o in offers]
 
     def _duel(self, n: int, engine_run: Path) -> None:
-        path = self.path / "duels" / f"round-{n}.json"
-        if path.exists():
+        if self.dir.duels.has(n):
             return
         from archive import read_run
 
         with read_run(engine_run) as run:
             ids = run.elite_ids(1)
         if not ids:
-            self._write(path, {"promoted": False, "why": f"{engine_run} has no ok engine"})
+            self.dir.duels.write(n, {"promoted": False, "why": f"{engine_run} has no ok engine"})
             self._event("not promoted", round=n, why=f"{engine_run} has no ok engine")
             return
         candidate = {"run_dir": str(engine_run), "elite": ids[0]}
@@ -324,28 +283,20 @@ class Factory:
         record = {"round": n, "promoted": promoted, "engines": {"candidate": candidate, "incumbent": incumbent},
                   "figures": {"candidate": c, "incumbent": i}, "gain": gain if i.get("throughput") else None,
                   "status": str(result.status), "why": reason}  # fmt: skip
-        self._write(path, record)
+        self.dir.duels.write(n, record)
         if promoted:
             entry = {"round": n, "run_dir": str(engine_run), "elite": ids[0], "throughput": c["throughput"],
                      "p99_ms": c["p99_ms"], "similarity": c["similarity"], "gain": record["gain"],
                      "at": time.time()}  # fmt: skip
-            with (self.path / "promotions.jsonl").open("a") as f:
-                f.write(json.dumps(entry) + "\n")
+            self.dir.add_promotion(entry)
         self._event("promoted" if promoted else "not promoted", round=n, engine=candidate, why=reason)
 
     # --- helpers ------------------------------------------------------------------------------------
 
     def incumbent(self) -> dict[str, Any] | None:
         """The last promoted engine (``None``: none yet, the default configuration)."""
-        promotions = read_promotions(self.path)
-        return {"run_dir": promotions[-1]["run_dir"], "elite": promotions[-1]["elite"]} if promotions else None
-
-    def _searched_tasks(self) -> list[str]:
-        runs = self.path / "runs"
-        if not runs.exists():
-            return []
-        return sorted(p.name for p in runs.iterdir()
-                      if (p / "archive.db").exists() and not p.name.startswith("engine-"))  # fmt: skip
+        last = self.dir.latest_promotion()
+        return {"run_dir": last["run_dir"], "elite": last["elite"]} if last else None
 
     def _model_config(self) -> Any:
         from runtime.engine.model import ModelLoadError, default_model_dir, read_config
@@ -359,17 +310,15 @@ class Factory:
         """``evo run`` of ``config`` in ``run_dir`` (resumed if it exists) up to ``max_evals``, started."""
         cmd = [sys.executable, "-m", "evo", "run", str(config), "--run-dir", str(run_dir), "--max-evals",
                str(max_evals)]  # fmt: skip
-        if (run_dir / "archive.db").exists():
+        if is_run(run_dir):
             cmd.append("--resume")
         if not confirm:
             cmd.append("--no-confirm")
-        log = self.path / "logs" / f"{run_dir.name}.log"
-        log.parent.mkdir(exist_ok=True)
-        return _Search(cmd, log)
+        return _Search(cmd, self.dir.search_log(run_dir.name))
 
     @staticmethod
     def _evaluations(run_dir: Path) -> int:
-        if not (run_dir / "archive.db").exists():
+        if not is_run(run_dir):
             return 0
         from archive import Store
 
@@ -384,16 +333,7 @@ class Factory:
             best = store.best(1)
         return best[0].fitness if best else None
 
-    def _write(self, path: Path, data: Any) -> None:
-        """Written whole or not at all: a step's evidence is there only once the step is done."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(path)
-
     def _event(self, what: str, **fields: Any) -> None:
-        entry = {"at": time.time(), "event": what, **fields}
-        with (self.path / "events.jsonl").open("a") as f:
-            f.write(json.dumps(entry, default=str) + "\n")
+        self.dir.add_event(what, **fields)
         self.note(f"{what}: " + ", ".join(f"{k}={v}" for k, v in fields.items() if k != "why")
                   + (f": {fields['why']}" if fields.get("why") else ""))  # fmt: skip

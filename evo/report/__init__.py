@@ -18,10 +18,10 @@ __all__ = ["build_report", "report_marker", "write_report"]
 
 def build_report(path: Path) -> Report:
     """The report of the run in ``path``, or of the factory when ``path`` holds one."""
-    from archive import RunView
+    from archive import FactoryDir, RunView
     from evo.report import factory, page
 
-    if factory.is_factory(path):
+    if FactoryDir(path).exists():
         return factory.build(path)
     with RunView(path) as view:
         return page.build(view)
@@ -29,10 +29,10 @@ def build_report(path: Path) -> Report:
 
 def report_marker(path: Path) -> tuple[int, int, int]:
     """Changes whenever the run (or the factory) in ``path`` records something."""
-    from archive import RunView
+    from archive import FactoryDir, RunView
     from evo.report import factory
 
-    if factory.is_factory(path):
+    if FactoryDir(path).exists():
         return factory.marker(path)
     with RunView(path) as view:
         return view.marker()

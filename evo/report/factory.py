@@ -1,4 +1,4 @@
-"""The report of an engine factory (the directory :mod:`evo.factory.run` lays out): its searches on a timeline,
+"""The report of an engine factory (its directory read through :class:`archive.FactoryDir`): its searches on a timeline,
 the served engine's sentences/s over time, each round's profile, searches and duel, every decision with its
 reason, and a line per run.
 
@@ -20,20 +20,14 @@ from urllib.parse import quote
 import matplotlib.pyplot as plt
 import yaml
 
-from archive import RunView, StoreError
+from archive import FactoryDir, RunView, StoreError
 from evo.report.figures import png  # also sets the backend, and texts from the files are never TeX
 from evo.report.page import Report, Section, table
 
-__all__ = ["FactoryLog", "RunLine", "build", "is_factory", "marker", "read_factory", "search_spans", "served",
-           "timeline"]  # fmt: skip
+__all__ = ["FactoryLog", "RunLine", "build", "marker", "read_factory", "search_spans", "served", "timeline"]
 
 _KERNEL, _ENGINE, _PROMOTED, _REJECTED = "#2a9d8f", "#264653", "#2a9d8f", "#9b2226"
 _QUIET = {"searched", "planned", "not planned"}  # drawn as bars, or too many to mark
-
-
-def is_factory(path: Path) -> bool:
-    """Whether ``path`` holds a factory (its frozen config) rather than a run."""
-    return (path / "factory.yaml").is_file()
 
 
 @dataclass(frozen=True)
@@ -64,37 +58,18 @@ class FactoryLog:
 
 def read_factory(path: Path) -> FactoryLog:
     """What the factory in ``path`` holds now, each file as far as it can be read."""
-    from evo.factory import read_events, read_promotions
+    files = FactoryDir(path)
+    runs = sorted((read_run_line(d) for d in files.run_dirs()), key=_first)
+    return FactoryLog(path, _config(files), files.events(), files.promotions(), files.profiles.all(),
+                      files.duels.all(), runs)  # fmt: skip
 
-    runs = sorted((read_run_line(d) for d in _run_dirs(path)), key=_first)
-    return FactoryLog(path, _config(path), read_events(path), read_promotions(path), _rounds(path / "profiles"),
-                      _rounds(path / "duels"), runs)  # fmt: skip
 
-
-def _config(path: Path) -> dict[str, Any]:
+def _config(files: FactoryDir) -> dict[str, Any]:
     try:
-        got = yaml.safe_load((path / "factory.yaml").read_text())
+        got = files.read_config()
     except (OSError, ValueError, yaml.YAMLError):
         return {}
     return got if isinstance(got, dict) else {}
-
-
-def _rounds(directory: Path) -> dict[int, dict[str, Any]]:
-    """The ``round-N.json`` records of ``directory`` by round (an unreadable one is left out)."""
-    out = {}
-    for p in directory.glob("round-*.json") if directory.is_dir() else ():
-        try:
-            n, data = int(p.stem.removeprefix("round-")), json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict):
-            out[n] = data
-    return dict(sorted(out.items()))
-
-
-def _run_dirs(path: Path) -> list[Path]:
-    runs = path / "runs"
-    return sorted(d for d in runs.iterdir() if (d / "archive.db").is_file()) if runs.is_dir() else []
 
 
 def read_run_line(run_dir: Path) -> RunLine:
@@ -117,11 +92,10 @@ def _first(run: RunLine) -> tuple[float, str]:
 def marker(path: Path) -> tuple[int, int, int]:
     """Changes whenever the factory or one of its runs records something: (bytes of the factory's own records,
     candidates of its runs, their evaluations and QD snapshots)."""
-    files = [path / "events.jsonl", path / "promotions.jsonl",
-             *(p for d in ("profiles", "plans", "duels") for p in (path / d).glob("round-*.json"))]  # fmt: skip
-    size = sum(p.stat().st_size for p in files if p.is_file())
+    files = FactoryDir(path)
+    size = sum(p.stat().st_size for p in files.record_files() if p.is_file())
     runs = []
-    for d in _run_dirs(path):
+    for d in files.run_dirs():
         try:
             with RunView(d) as view:
                 runs.append(view.marker())
@@ -139,8 +113,7 @@ def _num(v: Any) -> bool:
 
 def _run_name(event: dict[str, Any]) -> str:
     """The run a ``searched`` event is about: a kernel task's run, or round N's engine run."""
-    task = str(event.get("task"))
-    return f"engine-r{event.get('round')}" if task == "engine" else task
+    return FactoryDir.run_name(str(event.get("task")), event.get("round"))
 
 
 def search_spans(log: FactoryLog) -> dict[str, list[tuple[float, float, bool]]]:
@@ -191,7 +164,7 @@ def timeline(log: FactoryLog) -> bytes | None:
         return "_" if seen else what
 
     for y, name in enumerate(names, start=1):
-        kind, colour = ("engine", _ENGINE) if name.startswith("engine-") else ("kernel", _KERNEL)
+        kind, colour = ("engine", _ENGINE) if FactoryDir.is_engine_run(name) else ("kernel", _KERNEL)
         for start, end, done in spans[name]:
             bar = [((start - t0) / scale, max((end - start) / scale, least))]
             if done:
@@ -376,8 +349,9 @@ def _brief(key: str, v: Any) -> str:
 
 def _runs(log: FactoryLog) -> Section:
     lines = []
+    files = FactoryDir(log.path)
     for r in log.runs:
-        where = f"runs/{r.name}"
+        where = files.run_dir(r.name).relative_to(files.path).as_posix()
         if r.error:
             what = f"not readable yet ({html.escape(r.error)})"
         else:

@@ -18,8 +18,7 @@ pytest.importorskip("matplotlib")
 from dashboard_testlib import dashboard  # noqa: E402
 from report_testlib import evo  # noqa: E402
 
-from archive import RunView  # noqa: E402
-from evo.factory import read_promotions  # noqa: E402
+from archive import FactoryDir, RunView  # noqa: E402
 from evo.report import write_report  # noqa: E402
 
 SECTIONS = ("factory", "timeline", "profiles", "searches", "duels", "decisions", "runs")
@@ -43,7 +42,7 @@ def test_the_report_of_a_real_factory_shows_its_timeline_promotion_and_runs(fact
     assert {"timeline", "served"} <= set(re.findall(r'data-plot="(\w+)"', page))
     assert {p.stem for p in (tmp_path / "png").glob("*.png")} == {"timeline", "served"}
     assert not re.search(r'(src|href)="(https?:)?//', page), "the report loads something from the network"
-    (promoted,) = read_promotions(factory)
+    (promoted,) = FactoryDir(factory).promotions()
     assert f"<td>{promoted['throughput']:.4g}</td>" in page and promoted["elite"][:12] in page
     runs = sorted(p.name for p in (factory / "runs").iterdir())
     assert runs == ["engine-r1", "gelu", "layernorm"]
@@ -77,7 +76,7 @@ def test_a_factory_killed_mid_round_is_reported_as_far_as_it_got(factory, tmp_pa
             f.write('{"at": 1.5, "event": "promo')
     page = _page(fac, tmp_path)
     assert "no duel yet" in page and 'data-plot="timeline"' in page and 'data-plot="served"' in page
-    (promoted,) = read_promotions(fac)
+    (promoted,) = FactoryDir(fac).promotions()
     assert promoted["elite"][:12] in page
     assert "<tbody><tr><td>0</td><td>1</td><td>profiled</td>" in page  # the torn line's time is not the start
     (fac / "promotions.jsonl").unlink()
