@@ -23,7 +23,7 @@ from archive._candidate import Candidate
 from archive._errors import CandidateNotFoundError, StoreError
 from archive._query import rebuild_archive
 from archive._store import Store, run_db
-from runtime import runs as _runtime_runs
+from runtime import followed_runs as _runtime_runs
 
 __all__ = ["OFFERS_KEY", "Objective", "RunNotFound", "RunView", "pareto_front", "read_run"]
 
@@ -51,7 +51,7 @@ def _config(text: str, db: Path) -> dict[str, Any]:
 
 
 def read_run(path: str | os.PathLike[str]) -> RunView:
-    """The run in ``path`` for the runtime (a :class:`runtime.runs.RunReader`): any failure to read it is
+    """The run in ``path`` for the runtime (a :class:`runtime.followed_runs.RunReader`): any failure to read it is
     :class:`RunNotFound`, with the reason."""
     try:
         return RunView(path)

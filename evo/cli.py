@@ -77,7 +77,7 @@ def _with_overrides(config: RunConfig, **kw: Any) -> RunConfig:
               "resumed from: the session that ends the run confirms)")
 def run(config_path: Path, run_dir: Path | None, resume: bool, no_confirm: bool, **overrides: Any) -> None:
     """Run the search described by CONFIG (a YAML file)."""
-    from evo.reporting import RichReporter
+    from evo.progress import RichReporter
     from evo.search import Search
     from runtime.toolchain.cc import CompilerNotFound, compiler_version
 

@@ -16,7 +16,7 @@ from evo.errors import UserError
 from evo.llm import LLM_OPERATORS, LLMSettings
 from genome import ParamSpace, SpaceError, SpaceSpec
 from runtime import EvalSettings, Task, TaskLoadError, TaskSpec, load_task_class
-from runtime.runs import FollowsRuns
+from runtime.followed_runs import FollowsRuns
 
 __all__ = [
     "ArchiveConfig",

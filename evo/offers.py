@@ -1,6 +1,6 @@
 """Offers: what the runs a task follows (an engine task's kernel runs) come to offer while a search runs.
 
-Every :meth:`~runtime.runs.FollowsRuns.offers_every_s` the search asks; what is new grows the task's
+Every :meth:`~runtime.followed_runs.FollowsRuns.offers_every_s` the search asks; what is new grows the task's
 arguments. From then on every request carries the grown arguments, the run's frozen config (in the store
 and ``config.yaml``) offers them to a resumed run, and the store's ``offers`` says what was offered after
 how many evaluations: the run can be read, and resumed, as it went.
@@ -19,7 +19,7 @@ import yaml
 from archive import OFFERS_KEY, Store, read_run
 from evo.config import RunConfig
 from runtime import Task
-from runtime.runs import FollowsRuns
+from runtime.followed_runs import FollowsRuns
 
 __all__ = ["Offers"]
 

@@ -29,12 +29,12 @@ from evo.duel import Challenges
 from evo.memory_link import MemoryLink
 from evo.offers import Offers
 from evo.operators import Operator, build_operators
+from evo.progress import Reporter, SilentReporter
 from evo.proposer import Proposer
-from evo.reporting import Reporter, SilentReporter
 from evo.rundir import RunDir, build_archive
 from genome import Genome
 from runtime import EvalRequest, EvalResult, Executor, Status, Task, backend_for
-from runtime.runs import FollowsRuns
+from runtime.followed_runs import FollowsRuns
 
 __all__ = ["RunSummary", "Search"]
 
@@ -100,7 +100,7 @@ class Search:
         """Model-backed operators, when the config has an ``llm:`` section (see evo.llm)."""
         if self.config.llm is None:
             return {}
-        from evo.llm.factory import build_llm_operators
+        from evo.llm.build import build_llm_operators
 
         def note(message: str) -> None:
             log.warning("%s", message)

@@ -79,7 +79,7 @@ class Task(abc.ABC):
     def resolve_args(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
         """``args`` as a run stores them: file paths made absolute against ``cwd`` (workers run in their own
         directories). The default task takes none: ``args`` unchanged. A task that reads other runs reads
-        them in :meth:`runtime.runs.FollowsRuns.read_runs`."""
+        them in :meth:`runtime.followed_runs.FollowsRuns.read_runs`."""
         return dict(args)
 
     # --- what may vary --------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from serving._errors import APIError, BodyLimit, errors, install_error_handlers
 from serving._kernels import KernelInvoker
 from serving._metrics import Metrics, RequestCounter
 from serving._openapi import install_openapi
-from serving._runner import EliteNotFound, EngineHost, ServeError
-from serving._runs import model_dir
+from serving._runner import EliteNotFound, ServedEngine, ServeError
+from serving._served_run import model_dir
 from serving._state import Limits, State
 
 __all__ = ["create_app"]
@@ -80,7 +80,7 @@ def _routes(app: FastAPI) -> None:
     async def ready(request: Request) -> Any:
         """200 once the engine is loaded and warmed, 503 before."""
         state: State = request.app.state.serving
-        runner = state.host.current
+        runner = state.served.current
         if runner is None:
             msg = f"loading failed: {state.load_error}" if state.load_error else "the engine is loading"
             return APIError(503, msg, code="not_ready").response()
@@ -100,7 +100,7 @@ def _routes(app: FastAPI) -> None:
             raise APIError(409, "another switch is in progress", code="switch_in_progress")
         async with swap_lock:
             try:
-                served = await asyncio.to_thread(state.host.switch, body.id.strip())
+                served = await asyncio.to_thread(state.served.switch, body.id.strip())
             except EliteNotFound as exc:
                 raise APIError(404, str(exc), param="id", code="elite_not_found") from None
             except ServeError as exc:
@@ -115,7 +115,7 @@ def create_app(run_dir: str | Path, *, elite: str = "best", api_key: str | None 
     run_dir = Path(run_dir)
     limits = limits or Limits()
     metrics = Metrics()
-    state = State(host=EngineHost(run_dir, metrics, warmup=warmup),
+    state = State(served=ServedEngine(run_dir, metrics, warmup=warmup),
                   kernels=KernelInvoker(run_dir, max_elements=limits.max_kernel_elements,
                                         timeout_s=limits.kernel_timeout_s),
                   metrics=metrics, limits=limits, api_key=api_key or None, elite=elite,
@@ -123,7 +123,7 @@ def create_app(run_dir: str | Path, *, elite: str = "best", api_key: str | None 
 
     def load() -> None:
         try:
-            state.host.switch(state.elite)
+            state.served.switch(state.elite)
         except Exception as exc:  # noqa: BLE001 - /ready says why; the process stays up for diagnosis
             state.load_error = f"{type(exc).__name__}: {exc}"
             log.exception("cannot load the engine")
@@ -132,7 +132,7 @@ def create_app(run_dir: str | Path, *, elite: str = "best", api_key: str | None 
     if follow is not None:
         from serving._follow import Follower
 
-        follower = Follower(state.host, follow, {"run_dir": str(run_dir), "elite": elite})
+        follower = Follower(state.served, follow, {"run_dir": str(run_dir), "elite": elite})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -142,7 +142,7 @@ def create_app(run_dir: str | Path, *, elite: str = "best", api_key: str | None 
         yield
         if follower is not None:
             follower.stop()
-        await asyncio.to_thread(state.host.close)  # finishes every queued text
+        await asyncio.to_thread(state.served.close)  # finishes every queued text
         await asyncio.to_thread(state.kernels.close)
 
     app = FastAPI(title="evoforge serving", version="0.1.0", lifespan=lifespan,

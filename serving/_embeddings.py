@@ -109,7 +109,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 
     state: State = request.app.state.serving
     t0 = time.perf_counter()
-    runner = state.host.current
+    runner = state.served.current
     if runner is None:
         raise APIError(503, "the engine is still loading (GET /ready)", code="not_ready")
     texts = _check(body, state, runner.engine.dim)
@@ -127,7 +127,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         if gone.done():  # nobody is waiting: spare the engine
             state.metrics.rejected.labels("disconnected").inc()
             return Response(status_code=499)
-        runner = state.host.current or runner  # after a swap, new texts go to the new engine
+        runner = state.served.current or runner  # after a swap, new texts go to the new engine
         if runner.free < len(seqs):
             state.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, "the engine's queue is full: retry later", code="queue_full")
@@ -164,10 +164,10 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 async def models(request: Request) -> dict[str, Any]:
     """The served model (one id; aliases accepted by /v1/embeddings are listed in ``aliases``)."""
     state: State = request.app.state.serving
-    runner = state.host.current
+    runner = state.served.current
     served = runner.served if runner else None
     return {"object": "list", "data": [{
         "id": state.model_ids[0], "object": "model", "created": int(state.started), "owned_by": "evoforge",
         "aliases": list(state.model_ids[1:]), "dimensions": runner.engine.dim if runner else None,
         "elite": served.elite if served else None, "serving": served.note if served else "loading",
-        "run_dir": str(state.host.run_dir)}]}
+        "run_dir": str(state.served.run_dir)}]}

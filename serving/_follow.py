@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from archive import FactoryDir
-from serving._runner import EngineHost
+from serving._runner import ServedEngine
 
 __all__ = ["Follower"]
 
@@ -23,11 +23,11 @@ log = logging.getLogger("serving")
 
 
 class Follower:
-    """Swaps ``host`` to each new promotion of ``factory_dir`` (every ``every_s`` seconds, in a thread)."""
+    """Swaps ``engine`` to each new promotion of ``factory_dir`` (every ``every_s`` seconds, in a thread)."""
 
-    def __init__(self, host: EngineHost, factory_dir: Path, served: dict[str, Any] | None, *,
+    def __init__(self, engine: ServedEngine, factory_dir: Path, served: dict[str, Any] | None, *,
                  every_s: float = 2.0) -> None:  # fmt: skip
-        self.host, self.factory_dir, self.every_s = host, factory_dir, every_s
+        self.engine, self.factory_dir, self.every_s = engine, factory_dir, every_s
         self._files = FactoryDir(factory_dir)
         self._served = (served or {}).get("run_dir"), (served or {}).get("elite")
         self._stop = threading.Event()
@@ -55,7 +55,7 @@ class Follower:
         record: dict[str, Any] = {"round": latest.get("round"), "run_dir": latest["run_dir"], "elite": latest["elite"]}
         t0 = time.perf_counter()
         try:
-            self.host.switch(latest["elite"], run_dir=Path(latest["run_dir"]))
+            self.engine.switch(latest["elite"], run_dir=Path(latest["run_dir"]))
         except Exception as exc:  # noqa: BLE001 - recorded; the old engine keeps serving
             record.update(ok=False, error=f"{type(exc).__name__}: {exc}")
             log.error("cannot swap to %s of %s: %s", latest["elite"][:12], latest["run_dir"], exc)

@@ -22,7 +22,7 @@ from runtime.pool import LocalPool
 from runtime.settings import EvalSettings, TaskSpec
 from runtime.task import KernelTask, load_task_class
 from serving._errors import APIError
-from serving._runs import ID_PATTERN, candidate, open_store, stored_config
+from serving._served_run import ID_PATTERN, candidate, open_store, stored_config
 
 __all__ = ["KernelInvoker"]
 

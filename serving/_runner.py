@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from serving._metrics import Metrics
-from serving._runs import EliteNotFound, ServeError
+from serving._served_run import EliteNotFound, ServeError
 
 if TYPE_CHECKING:
     from runtime.engine import Engine, Model
 
-__all__ = ["BatchInfo", "EliteNotFound", "EngineHost", "EngineRunner", "ServeError", "Served"]
+__all__ = ["BatchInfo", "EliteNotFound", "ServedEngine", "EngineRunner", "ServeError", "Served"]
 
 log = logging.getLogger("serving")
 
@@ -99,7 +99,7 @@ class EngineRunner:
 _WARM_TEXTS = ["warm up", "a somewhat longer sentence to warm up the engine's larger shapes " * 4]
 
 
-class EngineHost:
+class ServedEngine:
     """Holds the current :class:`EngineRunner` of a run directory and swaps it on request."""
 
     def __init__(self, run_dir: Path, metrics: Metrics, *, warmup: int = 8) -> None:
@@ -123,7 +123,7 @@ class EngineHost:
         from archive import read_run
         from runtime.engine import RunNotFound, load_model
         from runtime.sandbox.hosted_engine import spawn_elite
-        from serving._runs import model_dir, resolve_engine_elite
+        from serving._served_run import model_dir, resolve_engine_elite
 
         if self.model is None:
             self.model = load_model(model_dir(self.run_dir))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from archive import FactoryDir, is_run, run_db
 from serving._runner import ServeError
-from serving._runs import resolve_engine_elite, stored_config
+from serving._served_run import resolve_engine_elite, stored_config
 from serving._state import Limits
 
 __all__ = ["serve"]

@@ -1,4 +1,4 @@
-"""What one app holds: its limits, the engine host, the kernel invoker, metrics, the API key."""
+"""What one app holds: its limits, the served engine, the kernel invoker, metrics, the API key."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serving._kernels import KernelInvoker
 from serving._metrics import Metrics
-from serving._runner import EngineHost
+from serving._runner import ServedEngine
 
 __all__ = ["Limits", "State"]
 
@@ -31,7 +31,7 @@ class Limits(BaseModel):
 
 @dataclass
 class State:
-    host: EngineHost
+    served: ServedEngine
     kernels: KernelInvoker
     metrics: Metrics
     limits: Limits

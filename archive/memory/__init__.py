@@ -10,7 +10,7 @@ from archive.memory._embed import Embedder, HashEmbedder, MiniLMEmbedder, make_e
 from archive.memory._entry import EntryKind, MemoryEntry, MemoryHit, hardware_id, summary_text
 from archive.memory._memory import Memory
 from archive.memory._novelty import NoveltyFilter, code_text
-from archive.memory._runs import entries_from_run
+from archive.memory._run_elites import entries_from_run
 from archive.memory._seeding import SEED_WEIGHTS, map_params, quality_ranks, seed_genomes, seed_score
 from archive.memory._settings import MEMORY_DIR_ENV, MemorySettings, default_memory_dir
 

@@ -290,7 +290,7 @@ class Memory:
 
     def import_run(self, run_dir: str | os.PathLike[str]) -> int:
         """Adds the elites of a run directory; returns how many were new."""
-        from archive.memory._runs import entries_from_run
+        from archive.memory._run_elites import entries_from_run
 
         return self.add(entries_from_run(run_dir))
 

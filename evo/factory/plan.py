@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 from evo.factory.config import FactoryConfig
 from runtime.engine.profile import Profile
 
-__all__ = ["Plan", "Search", "make_plan", "slot_tasks_for"]
+__all__ = ["Plan", "PlannedSearch", "make_plan", "slot_tasks_for"]
 
 
 @dataclass(frozen=True)
-class Search:
+class PlannedSearch:
     slot: str
     task: str
     evals: int  # evaluations this round adds to the slot's run
@@ -28,7 +28,7 @@ class Search:
 @dataclass(frozen=True)
 class Plan:
     round: int
-    searches: tuple[Search, ...]
+    searches: tuple[PlannedSearch, ...]
     skipped: dict[str, str]  # slot -> why it gets no search this round
 
     def to_dict(self) -> dict:
@@ -36,7 +36,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Plan:
-        return cls(round=d["round"], searches=tuple(Search(**s) for s in d["searches"]), skipped=dict(d["skipped"]))
+        searches = tuple(PlannedSearch(**s) for s in d["searches"])
+        return cls(round=d["round"], searches=searches, skipped=dict(d["skipped"]))
 
 
 def slot_tasks_for(slot: str, cpu_flags: Sequence[str], hidden: int, intermediate: int) -> tuple[list[str], str]:
@@ -91,5 +92,5 @@ def make_plan(round_: int, profile: Profile, config: FactoryConfig, *, cpu_flags
         each = max(config.budget.min_evals, -(-evals // len(tasks)))
         split = f", {each} each for {' and '.join(tasks)}" if len(tasks) > 1 else ""
         why = f"{share:.1%} of the engine's time: {evals} of the round's kernel evaluations{split}"
-        searches += [Search(slot, task, each, share, why) for task in tasks]
+        searches += [PlannedSearch(slot, task, each, share, why) for task in tasks]
     return Plan(round_, tuple(searches), skipped)

@@ -43,7 +43,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-class _Search:
+class _SearchProcess:
     """One ``evo run`` in its own process, its output appended to its log."""
 
     def __init__(self, cmd: list[str], log: Path) -> None:
@@ -166,7 +166,7 @@ class Factory:
         config = self._engine_config(n, plan)
         b = self.config.budget
         pending = [s for s in plan.searches if n not in self.dir.history(s.task)]
-        started: list[_Search] = []
+        started: list[_SearchProcess] = []
         try:
             if pending and b.engine_evals > b.engine_after_kernels:
                 self.note(f"engine search round {n}: alongside the kernel searches, following their runs")
@@ -192,7 +192,7 @@ class Factory:
                     best=self._best(run_dir), offered=self._offers(run_dir))  # fmt: skip
         return run_dir
 
-    def _start_kernel(self, n: int, task: str, evals: int) -> tuple[_Search, float | None]:
+    def _start_kernel(self, n: int, task: str, evals: int) -> tuple[_SearchProcess, float | None]:
         run_dir = self.dir.run_dir(task)
         exists = is_run(run_dir)
         before = self._best(run_dir) if exists else None
@@ -306,7 +306,7 @@ class Factory:
         except (ModelLoadError, RuntimeError) as exc:
             raise UserError(f"model_dir: {exc}") from None
 
-    def _start(self, config: Path, run_dir: Path, *, max_evals: int, confirm: bool = True) -> _Search:
+    def _start(self, config: Path, run_dir: Path, *, max_evals: int, confirm: bool = True) -> _SearchProcess:
         """``evo run`` of ``config`` in ``run_dir`` (resumed if it exists) up to ``max_evals``, started."""
         cmd = [sys.executable, "-m", "evo", "run", str(config), "--run-dir", str(run_dir), "--max-evals",
                str(max_evals)]  # fmt: skip
@@ -314,7 +314,7 @@ class Factory:
             cmd.append("--resume")
         if not confirm:
             cmd.append("--no-confirm")
-        return _Search(cmd, self.dir.search_log(run_dir.name))
+        return _SearchProcess(cmd, self.dir.search_log(run_dir.name))
 
     @staticmethod
     def _evaluations(run_dir: Path) -> int:

@@ -18,7 +18,7 @@ __all__ = [
 
 
 def build_operators(config) -> dict[str, Operator]:  # noqa: ANN001 - evo.config.OperatorsConfig
-    """The classical operators named in ``config.weights`` with a positive weight (LLM ones: evo.llm.factory)."""
+    """The classical operators named in ``config.weights`` with a positive weight (LLM ones: evo.llm.build)."""
     available: dict[str, Operator] = {
         "mutate": Mutate(config),
         "crossover": Crossover(config),

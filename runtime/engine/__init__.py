@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.kernel_runs import KernelSource, build_ops
 from runtime.engine.load import LoadResult, closed_loop
 from runtime.engine.model import Model, ModelConfig, Precision, load_model
 from runtime.engine.ops import SLOTS, Ops, c_slot, numpy_ops, tasks_of_slot
-from runtime.engine.runs import KernelSource, build_ops
 from runtime.engine.scheduler import Batcher, BatcherClosed, QueueFull
-from runtime.runs import OpenRun, RunNotFound, RunReader
+from runtime.followed_runs import OpenRun, RunNotFound, RunReader
 
 if TYPE_CHECKING:
     from runtime.engine.task import EngineTask

@@ -22,11 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param, SpaceError
 from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.kernel_runs import KernelSource, RunNotFound, build_ops, compile_kernels, kernel_offer
 from runtime.engine.load import ServingLoad
 from runtime.engine.model import Model, Precision
 from runtime.engine.ops import SLOTS, numpy_ops, tasks_of_slot
-from runtime.engine.runs import KernelSource, RunNotFound, build_ops, compile_kernels, kernel_offer
-from runtime.runs import FollowsRuns, OpenRun
+from runtime.followed_runs import FollowsRuns, OpenRun
 from runtime.settings import CompilerSettings
 from runtime.task import Descriptor, Task, TaskArgs
 from runtime.toolchain.cc import CompileResult

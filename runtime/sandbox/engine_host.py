@@ -191,7 +191,7 @@ def template_main(sock: socket.socket, model: Model, parent: int, keep: set[int]
     it prints to (in the template's working directory: the worker's). A request
     ``{"status": pid}`` answers how that host ended (``signal`` name or exit ``code``). Never returns."""
     from runtime.engine.engine import Engine, EngineConfig
-    from runtime.engine.runs import KernelSource, build_ops
+    from runtime.engine.kernel_runs import KernelSource, build_ops
     from runtime.settings import CompilerSettings
     from runtime.toolchain.cc import compiler_version
 

@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 
 from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.kernel_runs import KernelSource
 from runtime.engine.model import Model
 from runtime.engine.ops import Ops
-from runtime.engine.runs import KernelSource
-from runtime.runs import OpenRun, RunReader
+from runtime.followed_runs import OpenRun, RunReader
 from runtime.sandbox.engine_wire import FrameError, decode_result, encode_batch, read_frame, write_frame
 from runtime.sandbox.host import HostDied, forward_output
 from runtime.sandbox.processes import owned_work_dir, process_table, sweep_work_dirs

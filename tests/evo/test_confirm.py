@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from evo.confirm import confirmed_result, outranks, ranked
-from evo.reporting import SilentReporter
+from evo.progress import SilentReporter
 from runtime.result import EvalResult, Status
 
 

@@ -27,7 +27,7 @@ from llm_testlib import (
 )
 
 from evo.config import parse_config
-from evo.reporting import SilentReporter
+from evo.progress import SilentReporter
 from evo.rundir import RunDir
 from evo.search import Search
 

@@ -1,7 +1,7 @@
 """An engine's kernels from kernel runs: the elites a run offers, rendered ready to compile; compiling and
 loading them into an operator table.
 
-The runs are read where a task is resolved (the controller), through a :class:`runtime.runs.RunReader`
+The runs are read where a task is resolved (the controller), through a :class:`runtime.followed_runs.RunReader`
 handed in (``runtime`` may not import ``archive``, which owns the store); what they offer then travels
 inside the task's arguments, so a worker, a Ray node or a server never reads a kernel run.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.engine.ops import SLOTS, Ops, c_slot, slot_task
-from runtime.runs import RunNotFound, RunReader
+from runtime.followed_runs import RunNotFound, RunReader
 from runtime.settings import CompilerSettings, TaskSpec
 from runtime.task import load_task_class
 from runtime.toolchain.cc import CompileError, CompileResult, compile_source, load_kernel

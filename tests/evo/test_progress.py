@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from evo.reporting import RichReporter
+from evo.progress import RichReporter
 from runtime import EvalResult, Status
 
 
