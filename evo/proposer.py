@@ -126,9 +126,7 @@ class Proposer:
         if self._blocking is not None:
             self._blocking.shutdown(wait=False, cancel_futures=True)
         for op in self.operators.values():
-            close = getattr(op, "close", None)
-            if close is not None:
-                close()
+            op.close()
 
     def tell(self, cid: str, status: Any, add_status: AddStatus) -> None:
         """What became of a candidate: curiosity learns from its parents, the bandit is rewarded, and its
@@ -144,9 +142,7 @@ class Proposer:
             return
         if self.bandit is not None and parents:  # the initial population is no operator's doing
             self.bandit.update(op.name, add_status.added)
-        on_result = getattr(op, "on_result", None)
-        if on_result is not None:
-            on_result(self.store, cid, status, add_status)
+        op.on_result(self.store, cid, status, add_status)
 
     def remember(self, cand: Candidate) -> None:
         """A candidate stored by an earlier session (pending again, or evaluated and replayed): told of like
@@ -196,7 +192,7 @@ class Proposer:
         """Operators able to propose now: a model-backed one is skipped while its slots are full or it rests
         (endpoint down, budget spent). ``None`` when only busy ones remain; ``[]`` when all of them rest."""
         full = len(self._futures) >= self._max_blocking
-        ready = {n: getattr(self.operators[n], "available", lambda: True)() for n in self._names}
+        ready = {n: self.operators[n].available() for n in self._names}
         names = [n for n in self._names if ready[n] and not (full and self.operators[n].blocking)]
         return None if not names and any(ready.values()) else names
 

@@ -17,7 +17,7 @@ from archive import AddStatus, Candidate, Store
 from evo.llm.diff import Rejected, apply_edits, extract_code, extract_json, parse_edits, splice_blocks
 from evo.llm.prompt import PromptBook, base_source, render_prompt
 from evo.llm.session import Draft, LLMSession
-from evo.operators import Proposal, ProposalContext
+from evo.operators import Operator, Proposal, ProposalContext
 from genome import Genome, ParamSpace
 from runtime import Status, Task
 
@@ -33,7 +33,7 @@ def outcome_of(status: Status | str, add_status: AddStatus | str) -> str:
     return "applied" if status in (Status.COMPILE_ERROR, Status.PENDING) else "compiled"
 
 
-class LLMOperator:
+class LLMOperator(Operator):
     """Shared machinery; subclasses set ``name``/``kind`` and implement :meth:`read`."""
 
     name = "llm"

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -49,10 +50,28 @@ class Proposal:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-class Operator(Protocol):
-    name: str
-    arity: int  # parents it needs (0 for operators that sample from scratch)
-    blocking: bool  # True when a proposal waits on something slow (a model): run off the controller's thread
+class Operator(abc.ABC):
+    """What the proposer asks of an operator: every member here, nothing reached past it. Subclasses set the
+    three class attributes and implement :meth:`propose`; the rest has defaults for an operator that never
+    rests, records nothing and holds nothing."""
 
+    name: ClassVar[str]
+    arity: ClassVar[int]  # parents it needs (0 for operators that sample from scratch)
+    blocking: ClassVar[bool]  # True when a proposal waits on something slow (a model): run off the controller's thread
+
+    @abc.abstractmethod
     def propose(self, ctx: ProposalContext) -> Genome | Proposal | None:
         """A child genome (or a :class:`Proposal`), or ``None`` when this operator has nothing to offer."""
+
+    def available(self) -> bool:
+        """Whether it may be asked now (a model-backed operator rests while its endpoint is down or its budget
+        is spent)."""
+        return True
+
+    def on_result(self, store: Store, candidate_id: str, status: Any, add_status: Any) -> None:
+        """What became of a child it proposed (its status, and whether it entered the archive)."""
+        return None  # the default records nothing
+
+    def close(self) -> None:
+        """Lets go of what it holds (threads, connections) when the search ends."""
+        return None  # the default holds nothing

@@ -12,7 +12,7 @@ import random
 from deap import tools
 
 from evo.config import OperatorsConfig
-from evo.operators._base import ProposalContext
+from evo.operators._base import Operator, ProposalContext
 from evo.operators.codec import GeneCodec, seeded_random
 from genome import Genome
 
@@ -31,7 +31,7 @@ def _child(parent: Genome, params: dict, ctx: ProposalContext) -> Genome | None:
     return Genome(params=repaired, source=source)
 
 
-class Mutate:
+class Mutate(Operator):
     name = "mutate"
     arity = 1
     blocking = False
@@ -69,7 +69,7 @@ class Mutate:
         return None
 
 
-class Crossover:
+class Crossover(Operator):
     name = "crossover"
     arity = 2
     blocking = False
@@ -92,7 +92,7 @@ class Crossover:
         return None
 
 
-class RandomSample:
+class RandomSample(Operator):
     """A fresh valid point of the space: keeps exploring whatever the archive holds."""
 
     name = "random"

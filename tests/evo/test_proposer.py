@@ -6,14 +6,14 @@ import time
 import pytest
 
 from evo.config import OperatorsConfig, parse_config
-from evo.operators import Mutate, Proposal, RandomSample
+from evo.operators import Mutate, Operator, Proposal, RandomSample
 from evo.rundir import RunDir
 from evo.search import Search
 
 pytestmark = pytest.mark.slow
 
 
-class SlowMutate:
+class SlowMutate(Operator):
     """A stand-in for a model-backed operator: slow, off the controller's thread, records via on_commit."""
 
     name = "slow"
