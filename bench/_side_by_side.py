@@ -81,7 +81,7 @@ def careful_settings(evaluation: EvalSettings, seconds: float) -> EvalSettings:
 def remeasure(genome: Genome, specs: Sequence[TaskSpec], settings: EvalSettings) -> list[EvalResult]:
     """``genome`` evaluated afresh (checked, then timed against the reference) at each of ``specs``, by a
     sandboxed worker (a new one for these evaluations, its compile cache a temporary directory)."""
-    from runtime.pool import LocalPool
+    from runtime.executors import LocalPool
 
     out = []
     with tempfile.TemporaryDirectory() as tmp, LocalPool(workers=1, log_dir=os.path.join(tmp, "logs")) as pool:

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from runtime import EvalRequest, EvalSettings, TaskSpec  # noqa: E402
 from runtime.engine.task import EngineTask  # noqa: E402
-from runtime.pool import LocalPool  # noqa: E402
+from runtime.executors import LocalPool  # noqa: E402
 
 ARGS = {"threads": 1, "concurrency": 4, "duration_s": 1.0, "warmup_s": 0.2, "texts": 64,
         "lengths": {16: 0.7, 48: 0.3}, "p99_budget_ms": 10000, "reference_every_s": 0}  # fmt: skip

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from genome import Genome  # noqa: E402
 from runtime import EvalRequest, EvalSettings, TaskSpec  # noqa: E402
-from runtime.pool import LocalPool  # noqa: E402
+from runtime.executors import LocalPool  # noqa: E402
 
 BODY = "void kernel(int n, float a, float b, const float *x, float *y) {{ /* {i} */\n" \
        "    for (int i = 0; i < n; i++) y[i] = a * x[i] + b;\n}}\n"  # fmt: skip
@@ -59,7 +59,7 @@ def main() -> None:
     if args.executor == "ray":
         from ray.cluster_utils import Cluster
 
-        from runtime.raypool import RayPool
+        from runtime.executors import RayPool
 
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 * 2**20,
                                                                 "include_dashboard": False})  # fmt: skip

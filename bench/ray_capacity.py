@@ -2,7 +2,7 @@
 
 Evaluations are simulated (each is a fixed sleep in an asynchronous actor holding many slots, so that
 neither cores nor memory are the limit), over a Ray cluster of ``--nodes`` nodes started on this machine,
-one actor per node. The driver is the real one: :class:`runtime.raypool.RayPool` submitting and
+one actor per node. The driver is the real one: :class:`runtime.executors.RayPool` submitting and
 collecting, and every result recorded in a real run store (SQLite) as a search records it.
 
     python bench/ray_capacity.py --slots 8 64 256 1024 --sleep 1.0 --seconds 15
@@ -58,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     from ray.cluster_utils import Cluster
 
-    from runtime.raypool import RayPool
+    from runtime.executors import RayPool
 
     SleepEvaluator.SLEEP = args.sleep
     node = {"num_cpus": 1, "object_store_memory": 100 * 2**20}

@@ -28,7 +28,7 @@ from runtime.result import EvalResult, Status
 
 if TYPE_CHECKING:
     from archive import Candidate
-    from runtime.executor import EvalRequest
+    from runtime.executors import EvalRequest
 
 __all__ = ["Challenges", "settle", "wants_duel"]
 

@@ -26,6 +26,7 @@ from archive import (
 from evo.config import ExecutionConfig, RunConfig, dump_config, parse_config
 from evo.errors import UserError
 from runtime import Task
+from runtime.executors import ClusterUnavailable, Executor, LocalPool, MixedHardware, RayPool
 from runtime.sandbox.limits import private_dir
 
 if TYPE_CHECKING:
@@ -83,14 +84,12 @@ class RunDir:
         return parse_config(yaml.safe_load(view.config_text), source=f"{run_db(self.path)} (stored config)")
 
     def make_pool(self, workers: int, execution: ExecutionConfig | None = None, cc: str = "cc",
-                  backend: Backend | None = None) -> object:  # fmt: skip
-        """The executor: a :class:`runtime.pool.LocalPool` of ``workers``, or a :class:`runtime.raypool.RayPool`
-        over a Ray cluster (``execution.kind: ray``), whose slots are its nodes' as the task's ``backend``
-        places them (:attr:`Backend.whole_node`: one per node unless ``workers_per_node`` says otherwise, every
-        CPU reserved; :attr:`Backend.per_gpu`: a node's GPUs, one slot each)."""
+                  backend: Backend | None = None) -> Executor:  # fmt: skip
+        """The executor: a :class:`LocalPool` of ``workers``, or a :class:`RayPool` over a Ray cluster
+        (``execution.kind: ray``), whose slots are its nodes' as the task's ``backend`` places them
+        (:attr:`Backend.whole_node`: one per node unless ``workers_per_node`` says otherwise, every CPU reserved;
+        :attr:`Backend.per_gpu`: a node's GPUs, one slot each)."""
         if execution is not None and execution.kind == "ray":
-            from runtime.raypool import ClusterUnavailable, MixedHardware, RayPool
-
             whole_node = backend is not None and backend.whole_node
             per_node = execution.workers_per_node or (1 if whole_node else None)
             try:
@@ -100,8 +99,6 @@ class RunDir:
                                gpus=backend is not None and backend.per_gpu)  # fmt: skip
             except (ClusterUnavailable, MixedHardware) as exc:
                 raise UserError(str(exc)) from None
-        from runtime.pool import LocalPool
-
         return LocalPool(workers=workers, log_dir=self.log_dir)
 
     def close(self) -> None:

@@ -121,7 +121,7 @@ class Search:
         queue += self._initial_population()
         executor = self._executor or self.run_dir.make_pool(
             self.workers, self.config.execution, self.config.evaluation.compiler.cc, backend_for(self.task))
-        self.workers = getattr(executor, "slots", self.workers)  # a cluster's slots are its nodes'
+        self.workers = executor.slots  # a cluster's slots are its nodes'
         self._start(budget, len(queue), resumed)
         last_snapshot, stopped = 0.0, ""
         try:

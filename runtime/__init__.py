@@ -3,8 +3,9 @@
 - :mod:`runtime.task`: :class:`Task` (what every task has) and :class:`KernelTask` (what kernel tasks add).
 - :mod:`runtime.backends`: one protocol, one module per kind of candidate (C, CUDA, engine), a registry.
 - :mod:`runtime.cascade`: the one skeleton every evaluation runs through, inside a sandboxed worker.
-- :mod:`runtime.pool` (:class:`LocalPool`): the workers; :mod:`runtime.sandbox`: the trust boundary (the workers'
-  processes and limits, the candidates' host processes, the system-call filters).
+- :mod:`runtime.executors`: where evaluations run, behind one protocol (:class:`Executor`): the local workers
+  (:class:`LocalPool`) or a Ray cluster; :mod:`runtime.sandbox`: the trust boundary (the workers' processes
+  and limits, the candidates' host processes, the system-call filters).
 - :mod:`runtime.timing`: the one timing harness; :mod:`runtime.toolchain`: compilers and loaders.
 - :mod:`runtime.engine`: the embedded inference engine; :mod:`runtime.tasks`: the built-in kernel tasks.
 """
@@ -17,9 +18,8 @@ except isa.IsaError:
     pass  # said in one line by the command that runs (evo's entry point checks the level)
 
 from runtime.backends import Backend, BackendUnavailable, UnsupportedStage, backend_for
-from runtime.executor import EvalRequest, Executor
+from runtime.executors import EvalRequest, Executor, LocalPool
 from runtime.hardware import fingerprint
-from runtime.pool import LocalPool
 from runtime.result import EvalResult, Status, TimingStats
 from runtime.settings import CompilerSettings, EvalSettings, SandboxSettings, TaskSpec, TimingSettings
 from runtime.task import (

@@ -32,7 +32,7 @@ from typing import Any
 
 from genome import Genome
 from runtime.backends import Backend, Failure, Program, RivalFailure, UnsupportedStage, WorkerContext, backend_for
-from runtime.executor import EvalRequest
+from runtime.executors.base import EvalRequest
 from runtime.result import EvalResult, Status
 from runtime.settings import EvalSettings
 from runtime.task import Task

@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 
 from runtime.backends import backend_for
-from runtime.executor import EvalRequest
-from runtime.pool import LocalPool
+from runtime.executors import EvalRequest, LocalPool
 from runtime.settings import EvalSettings, TaskSpec
 from runtime.task import KernelTask, load_task_class
 from serving._errors import APIError

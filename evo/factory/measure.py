@@ -1,6 +1,6 @@
 """The factory's measurements of whole engines, behind the same boundary as every search's evaluations.
 
-Each is a request to a sandboxed worker of the factory's own (:class:`runtime.pool.LocalPool`): the worker
+Each is a request to a sandboxed worker of the factory's own (:class:`runtime.executors.LocalPool`): the worker
 drops privileges and holds the load, its clock and the fp32 reference, and every engine runs in a host of
 its own under the system-call filter (the ``engine`` backend). What decides comes back over the worker's
 channel, never from a process that ran an engine's kernels.
@@ -24,7 +24,7 @@ from typing import Any
 from archive import FactoryDir
 from evo.factory.config import FactoryConfig
 from genome import Genome
-from runtime.executor import EvalRequest
+from runtime.executors import EvalRequest
 from runtime.result import EvalResult, Status
 from runtime.sandbox.limits import private_dir
 from runtime.settings import EvalSettings, SandboxSettings, TaskSpec
@@ -101,7 +101,7 @@ class Measurer:
         return EvalSettings(sandbox=sandbox)
 
     def _evaluate(self, request: EvalRequest) -> EvalResult:
-        from runtime.pool import LocalPool
+        from runtime.executors import LocalPool
 
         if self._pool is None:
             private_dir(self.cache_dir)

@@ -1,6 +1,6 @@
 """The agent's tools: compile, test and benchmark in the sandboxed runtime; read the archive and memory.
 
-Evaluations go to a dedicated one-worker :class:`runtime.pool.LocalPool` (the search's workers stay
+Evaluations go to a dedicated one-worker :class:`runtime.executors.LocalPool` (the search's workers stay
 with the search) with partial cascades: ``compile`` stops after compiling, ``test`` after the checks,
 ``benchmark`` times too (under the machine-wide timing lock, like every candidate).
 """
@@ -64,7 +64,7 @@ class SandboxTools:
         self._closed = False
 
     def evaluate(self, genome: Genome, stages: str) -> EvalResult:
-        from runtime.pool import LocalPool
+        from runtime.executors import LocalPool
 
         with self._lock:
             if self._closed:

@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 Stage = Literal["compile", "check", "full", "run", "duel", "profile"]
-"""How far an evaluation goes (see :class:`runtime.executor.EvalRequest`)."""
+"""How far an evaluation goes (see :class:`runtime.executors.base.EvalRequest`)."""
 STAGES: tuple[Stage, ...] = get_args(Stage)
 _CORE_STAGES: frozenset[Stage] = frozenset({"compile", "check", "full"})
 

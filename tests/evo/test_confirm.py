@@ -93,6 +93,8 @@ class _Notes(SilentReporter):
 class _Scripted:
     """An executor that answers each confirmation of a candidate with the next results of its script."""
 
+    slots = 1
+
     def __init__(self, script: dict[str, list[EvalResult]]) -> None:
         self.script, self.done = script, []
 

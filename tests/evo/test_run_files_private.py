@@ -10,8 +10,7 @@ import pytest
 from evo.config import parse_config
 from evo.rundir import RunDir
 from genome import Genome
-from runtime.executor import EvalRequest
-from runtime.pool import LocalPool
+from runtime.executors import EvalRequest, LocalPool
 from runtime.result import Status
 from runtime.sandbox.limits import sandbox_ids
 from runtime.settings import TaskSpec

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from runtime.backends import WorkerContext
-from runtime.pool import LocalPool
+from runtime.executors import LocalPool
 from runtime.timing import TimingLock
 
 

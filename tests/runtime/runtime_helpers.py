@@ -6,8 +6,7 @@ import os
 from typing import Any
 
 from genome import Genome
-from runtime.executor import EvalRequest
-from runtime.pool import LocalPool
+from runtime.executors import EvalRequest, LocalPool
 from runtime.result import EvalResult
 from runtime.settings import EvalSettings, TaskSpec
 

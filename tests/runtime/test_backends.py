@@ -19,8 +19,7 @@ from genome import Genome
 from runtime import KernelTask, Task, TaskLoadError, TaskSpec, UnsupportedStage, backend_for, load_task_class
 from runtime.backends import BACKENDS, STAGES, WorkerContext
 from runtime.cascade import evaluate
-from runtime.executor import EvalRequest
-from runtime.pool import LocalPool
+from runtime.executors import EvalRequest, LocalPool
 from runtime.result import Status
 from runtime.task import BUILTIN_TASKS
 

@@ -22,7 +22,7 @@ from runtime_helpers import make_settings
 
 from genome import Genome
 from runtime.cascade import evaluate
-from runtime.executor import EvalRequest
+from runtime.executors import EvalRequest
 from runtime.result import Status
 from runtime.settings import TaskSpec
 from runtime.task import load_task_class

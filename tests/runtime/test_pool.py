@@ -9,7 +9,7 @@ import time
 import pytest
 from runtime_helpers import CORRECT, kernel, make_settings, request, run
 
-from runtime.pool import LocalPool
+from runtime.executors import LocalPool
 from runtime.result import Status
 from runtime.settings import EvalSettings, TaskSpec
 from runtime.toolchain import CompilerNotFound
@@ -98,6 +98,7 @@ def test_timing_waits_for_the_machine_wide_lock(pool, workdir):
 
 def test_two_workers_evaluate_in_parallel(workdir):
     with LocalPool(workers=2, log_dir=os.path.join(workdir, "logs2")) as p:
+        assert p.slots == 2
         reqs = [request(workdir, kernel(CORRECT + f" /* {i} */")) for i in range(4)]
         t0 = time.monotonic()
         for r in reqs:

@@ -16,8 +16,8 @@ ray = pytest.importorskip("ray")
 
 from runtime_helpers import request  # noqa: E402
 
-from runtime.executor import EvalRequest  # noqa: E402
-from runtime.raypool import (  # noqa: E402
+from runtime.executors import EvalRequest  # noqa: E402
+from runtime.executors.ray import (  # noqa: E402
     ClusterUnavailable,
     MixedHardware,
     NodeEvaluator,
@@ -244,7 +244,7 @@ void kernel(int n, float a, float b, const float *x, float *y) {{
 def test_an_evaluator_reserves_what_it_measures_with(cluster):
     """Ray places nothing else on the CPUs a node's evaluator measures with (all of them for an engine's
     load test); a CUDA task takes every GPU of a node, one slot each, and leaves out nodes without one."""
-    from runtime.raypool import node_reservation
+    from runtime.executors.ray import node_reservation
 
     assert node_reservation({"CPU": 8}, workers_per_node=None, whole_machine=False, gpus=False) == (8, 0)
     assert node_reservation({"CPU": 8}, workers_per_node=2, whole_machine=False, gpus=False) == (2, 0)

@@ -91,13 +91,13 @@ def test_the_working_directories_of_a_killed_pools_workers_are_swept_by_the_next
     import sys
     import tempfile
 
-    from runtime.pool import LocalPool
+    from runtime.executors import LocalPool
     from runtime.sandbox.processes import sweep_work_dirs
 
     here = os.path.dirname(__file__)
     code = (f"import sys, time; sys.path.insert(0, {here!r})\n"
             "from runtime_helpers import CORRECT, kernel, request, run\n"
-            "from runtime.pool import LocalPool\n"
+            "from runtime.executors import LocalPool\n"
             f"run(LocalPool(workers=1), request({str(tmp_path)!r}, kernel(CORRECT)))\n"
             "print('evaluated', flush=True); time.sleep(120)\n")  # fmt: skip
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -14,8 +14,7 @@ import pytest
 from cuda_helpers import needs_gpu
 
 from genome import Genome
-from runtime.executor import EvalRequest
-from runtime.pool import LocalPool
+from runtime.executors import EvalRequest, LocalPool
 from runtime.result import EvalResult, Status
 from runtime.settings import EvalSettings, TaskSpec
 from runtime.tasks.matmul_cuda import MatmulCuda

@@ -19,8 +19,7 @@ import yaml
 from archive._store import Store
 from genome import Genome
 from runtime.engine.task import EngineTask, FreshTexts
-from runtime.executor import EvalRequest
-from runtime.pool import LocalPool
+from runtime.executors import EvalRequest, LocalPool
 from runtime.result import EvalResult, Status
 from runtime.sandbox.filters import filter_available
 from runtime.settings import EvalSettings, TaskSpec

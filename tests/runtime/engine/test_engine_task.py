@@ -12,7 +12,7 @@ from genome import Genome
 from runtime.backends import backend_for
 from runtime.cascade import WorkerContext, evaluate
 from runtime.engine.task import EngineTask
-from runtime.executor import EvalRequest
+from runtime.executors import EvalRequest
 from runtime.result import Status
 from runtime.settings import EvalSettings, TaskSpec
 from runtime.task import load_task_class

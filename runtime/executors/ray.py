@@ -1,8 +1,8 @@
-"""``RayPool``: the :class:`runtime.executor.Executor` on a Ray cluster, a local pool on every node.
+"""``RayPool``: the :class:`~runtime.executors.base.Executor` on a Ray cluster, a local pool on every node.
 
 The driver (the controller: store, archive, memory, model calls) keeps everything it keeps with a local
 pool; only requests and results travel. Each node runs one :class:`NodeEvaluator` actor, which owns a
-:class:`runtime.pool.LocalPool` of sandboxed workers there: the same trust boundary, rlimits and privilege
+:class:`runtime.executors.local.LocalPool` of sandboxed workers there: the same trust boundary, rlimits and privilege
 drop as on one machine, the node's own compile cache, and the timing lock file of its host (Ray nodes on
 one host share it, so timing stays serialised per physical machine). Ray places nothing else: each
 request goes to the node with the most free slots, and a duel is one request, so both contestants run
@@ -46,7 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from runtime.executor import EvalRequest
+from runtime.executors.base import EvalRequest, Executor
+from runtime.executors.local import LocalPool, request_backend
 from runtime.result import EvalResult, Status
 
 __all__ = ["ClusterUnavailable", "MixedHardware", "NodeEvaluator", "RayPool", "speed_differences",
@@ -127,7 +128,6 @@ class NodeEvaluator:
     """One node's evaluations: a local pool of ``workers`` sandboxed workers (created as a Ray actor)."""
 
     def __init__(self, workers: int, cc: str = "cc") -> None:
-        from runtime.pool import LocalPool
         from runtime.sandbox.limits import make_undumpable
 
         _scrub_environment()
@@ -235,7 +235,7 @@ class _Node:
     free: int
 
 
-class RayPool:
+class RayPool(Executor):
     """Evaluates requests on every node of the Ray cluster at ``address`` (see the module docstring).
 
     ``workers_per_node``: slots per node (default: the CPUs Ray gives the node, or its GPUs with ``gpus``);
@@ -398,8 +398,6 @@ class RayPool:
 
     def submit(self, request: EvalRequest) -> None:
         """Queues ``request``; raises here, in the driver, when the task's backend does not offer its stage."""
-        from runtime.pool import request_backend
-
         if self._closed:
             raise RuntimeError("the pool is closed")
         backend = request_backend(request)
@@ -494,9 +492,3 @@ class RayPool:
         if self._owns_ray:
             with contextlib.suppress(Exception):
                 self._ray.shutdown()
-
-    def __enter__(self) -> RayPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

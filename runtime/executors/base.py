@@ -1,11 +1,12 @@
-"""The executor seam: submit a candidate, get its result. The local process pool is the default;
-a cluster executor (e.g. Ray) implements the same protocol."""
+"""The executor seam: submit a request, get its result. :class:`Executor` is everything a caller may use of an
+executor; :class:`EvalRequest` is what travels to it."""
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import numpy as np
 
@@ -42,15 +43,35 @@ class EvalRequest:
 
 
 class Executor(Protocol):
-    def submit(self, request: EvalRequest) -> None:
-        """Queues ``request``; never blocks on the evaluation itself."""
+    """Runs evaluation requests, up to :attr:`slots` at once, and hands back their results as they finish.
 
+    The implementations subclass it (and so share its context manager); a stand-in need only match it."""
+
+    @abstractmethod
+    def submit(self, request: EvalRequest) -> None:
+        """Queues ``request``; never blocks on the evaluation itself. Raises here, in the caller, what the
+        request can never do (its backend lacks the stage, the compiler is missing) and after :meth:`close`."""
+
+    @abstractmethod
     def next_result(self, timeout: float | None = None) -> tuple[EvalRequest, EvalResult] | None:
         """The next finished evaluation, or ``None`` if none finished within ``timeout`` seconds."""
 
     @property
+    @abstractmethod
     def in_flight(self) -> int:
         """Submitted requests whose results were not yet returned."""
 
+    @property
+    @abstractmethod
+    def slots(self) -> int:
+        """How many requests it evaluates at once (more are queued); a caller keeps this many in flight."""
+
+    @abstractmethod
     def close(self) -> None:
-        """Stops all workers (killing their process groups)."""
+        """Stops all workers (killing their process groups); idempotent."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,4 +1,4 @@
-"""``LocalPool``: the default :class:`runtime.executor.Executor`, sandboxed worker processes on this machine.
+"""``LocalPool``: the default :class:`~runtime.executors.base.Executor`, sandboxed worker processes on this machine.
 
 One thread per worker slot takes a request, makes sure its worker is alive (spawning one lazily, or a
 fresh one when the request needs another profile), sends the request and waits up to the wall-clock
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.backends import Backend, backend_for
-from runtime.executor import EvalRequest
+from runtime.executors.base import EvalRequest, Executor
 from runtime.result import EvalResult, Status
 from runtime.sandbox.processes import reap_orphans, sweep_work_dirs
 from runtime.sandbox.worker_process import WorkerDied, WorkerProcess, WorkerProfile, WorkerTimeout
@@ -63,7 +63,7 @@ def _profile(request: EvalRequest, slot: int = 0) -> WorkerProfile:
     )
 
 
-class LocalPool:
+class LocalPool(Executor):
     """Evaluates requests in ``workers`` sandboxed processes; worker logs go to ``log_dir``."""
 
     def __init__(self, *, workers: int = 1, log_dir: str | None = None, on_event: PoolEvent | None = None) -> None:
@@ -117,6 +117,11 @@ class LocalPool:
         with self._lock:
             return self._in_flight
 
+    @property
+    def slots(self) -> int:
+        """One per worker."""
+        return self.workers
+
     def close(self) -> None:
         """Stops the slots and kills every worker's process group."""
         if self._closed:
@@ -136,12 +141,6 @@ class LocalPool:
             if proc is not None:
                 proc.kill()
                 self._procs[slot] = None
-
-    def __enter__(self) -> LocalPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def worker_pids(self) -> list[int]:
         """Pids (= process group ids) of the live workers."""
