@@ -36,16 +36,21 @@ __all__ = ["Challenges", "settle", "wants_duel"]
 class Challenges:
     """The search's side of duels: results that would be the new best, held back while they duel the best.
 
-    ``open`` while the search may start duels (its backend offers them, and the search is not confirming);
-    a result held when the run stops is recorded by :meth:`abandon`, capped at the best it did not beat."""
+    Duels start only while ``enabled`` (the task's backend offers them) and until :meth:`close` (the search
+    stops, or confirms its best); a result held when the run stops is recorded by :meth:`abandon`, capped at
+    the best it did not beat."""
 
-    def __init__(self, open: bool) -> None:
-        self.open = open
+    def __init__(self, *, enabled: bool) -> None:
+        self._open = enabled
         self._held: dict[str, tuple[EvalRequest, EvalResult, Candidate]] = {}
+
+    def close(self) -> None:
+        """No more duels: results that come back from now on are recorded as they are."""
+        self._open = False
 
     def challenge(self, request: EvalRequest, result: EvalResult, best: Candidate | None) -> EvalRequest | None:
         """The duel to run before ``result`` is recorded (``result`` is then held), or ``None``: record it now."""
-        if not self.open or best is None or best.id == request.key or not wants_duel(result, best.fitness):
+        if not self._open or best is None or best.id == request.key or not wants_duel(result, best.fitness):
             return None
         self._held[request.key] = (request, result, best)
         return replace(request, stages="duel", rival=best.genome)

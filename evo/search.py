@@ -89,7 +89,7 @@ class Search:
             novelty=self.memory.is_novel if self.memory else None,
             novelty_limit=config.memory.novelty_max_resamples,
         )
-        self.challenges = Challenges(open=backend_for(self.task).supports("duel"))
+        self.challenges = Challenges(enabled=backend_for(self.task).supports("duel"))
         self.offers = Offers(self.store, run_dir.path, self.reporter.note)
         self.confirmation = Confirmation(config.search.confirm, self.store, self.task.unit, self.reporter.note)
         self._best: Candidate | None = None
@@ -152,7 +152,7 @@ class Search:
                     break
             self._confirm(executor)
         finally:
-            self.challenges.open = False
+            self.challenges.close()
             for request, result in self.challenges.abandon():
                 self._finish(request, result)
             self.proposer.close()
@@ -331,7 +331,7 @@ class Search:
         still in flight are recorded as they come back."""
         if self.config.search.confirm.repeats == 0:
             return
-        self.challenges.open = False
+        self.challenges.close()
 
         def evaluate_again(cand: Candidate, repeats: int) -> list[EvalResult]:
             """``repeats`` fresh evaluations of ``cand``, each a request of its own (so a fresh host each)."""
