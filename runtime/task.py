@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,8 +29,8 @@ from genome import Genome, ParamSpace, render_source
 from runtime.backends import BACKENDS, is_backend_ref
 
 __all__ = [
-    "BUILTIN_TASKS", "VALUE_KINDS", "Case", "Descriptor", "KernelTask", "Slot", "Task", "TaskArgs", "TaskLoadError",
-    "load_task_class", "slot_tasks",
+    "BUILTIN_TASKS", "VALUE_KINDS", "Case", "Descriptor", "KernelTask", "Task", "TaskArgs", "TaskLoadError",
+    "load_task_class",
 ]  # fmt: skip
 
 Case = dict[str, int]
@@ -116,47 +116,14 @@ class Task(abc.ABC):
         return None
 
 
-@dataclass(frozen=True)
-class Slot:
-    """An operator slot of the engine (``runtime.engine.ops.SLOTS``) that a kernel task's elites fill, and what
-    they need there: the CPU flags without any of which the slot leaves them out, and the multiples
-    of a GEMM's inner and output sizes they take (the ``linear`` slot; other shapes run in numpy). A task
-    that needs fewer instructions than another of the slot ``stands_in_for`` it: it is searched only on a
-    CPU that cannot run the other."""
-
-    name: str
-    cpu_flags: tuple[str, ...] = ()
-    k_multiple: int = 1
-    n_multiple: int = 1
-    stands_in_for: str | None = None
-
-
-    def missing(self, flags: Collection[str]) -> list[str]:
-        """The flags this slot's kernels need that ``flags`` (a CPU's) lack."""
-        return [f for f in self.cpu_flags if f not in flags]
-
 class KernelTask(Task):
     """Base class of kernel tasks: a parametric source, checked against a reference on fresh inputs and
     timed side by side with it. Candidates are C kernels (backend ``c``) unless a subclass says otherwise.
 
-    A task whose elites the engine may call declares its :attr:`slot` and how the slot calls them
-    (:meth:`slot_args`, and :meth:`slot_pack` for a GEMM's weights): nothing else needs to know its C
-    argument order."""
+    A task whose elites the engine may call is a :class:`runtime.slots.SlotTask`."""
 
     kernel_name: ClassVar[str] = "kernel"
     backend: ClassVar[str] = "c"
-    slot: ClassVar[Slot | None] = None
-
-    def slot_args(self, operands: Mapping[str, Any], out: np.ndarray) -> list[Any]:
-        """The C call's arguments for one call from the engine's slot: ``operands`` as the slot passes them
-        (``layernorm``: x, gamma, beta, eps; ``softmax``: x; ``gelu``: x, bias; ``linear``: x, the packed
-        weight arrays as ``packed``, bias), ``out`` the array to write."""
-        raise NotImplementedError(f"the {self.name} task fills no engine slot")
-
-    def slot_pack(self, w: np.ndarray) -> tuple[np.ndarray, ...]:
-        """A GEMM weight ``w[k, n]`` (fp32) packed once into the arrays the kernel takes (``linear`` slot)."""
-        raise NotImplementedError(f"the {self.name} task takes no packed weights")
-
     # --- what may vary --------------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -280,16 +247,6 @@ BUILTIN_TASKS: dict[str, str] = {
     "softmax_cuda": "runtime.tasks.softmax_cuda:SoftmaxCuda",
     "engine": "runtime.engine.task:EngineTask",
 }
-
-
-def slot_tasks(slot: str) -> tuple[str, ...]:
-    """The built-in tasks whose elites fill ``slot`` (each declares its :attr:`KernelTask.slot`)."""
-    out = []
-    for name in BUILTIN_TASKS:
-        declared = getattr(load_task_class(name), "slot", None)
-        if declared is not None and declared.name == slot:
-            out.append(name)
-    return tuple(out)
 
 
 def load_task_class(ref: str) -> type[Task]:

@@ -1,6 +1,6 @@
 """The engine's operators as slots: each is a numpy default, or an evolved C kernel of a task that fills it.
 
-A kernel task declares the slot its elites fill (:attr:`runtime.task.KernelTask.slot`) and how the slot
+A kernel task declares the slot its elites fill (:attr:`runtime.slots.SlotTask.slot`) and how the slot
 calls them (``slot_args``, ``slot_pack``); the slots and their calling conventions are the engine's:
 ``layernorm`` (x, gamma, beta, eps), the attention ``softmax`` (x), ``gelu`` (bias + GELU, fused: x, bias),
 and ``linear`` (every weight GEMM: QKV, attention output, feed-forward up and down: x, W, bias), whose
@@ -21,7 +21,8 @@ from functools import cache
 
 import numpy as np
 
-from runtime.task import KernelTask, load_task_class, slot_tasks
+from runtime.slots import SlotTask, slot_tasks
+from runtime.task import load_task_class
 from runtime.toolchain.cc import CKernel
 
 __all__ = ["SLOTS", "Ops", "c_slot", "numpy_ops", "slot_task", "tasks_of_slot"]
@@ -36,11 +37,11 @@ def tasks_of_slot(slot: str) -> tuple[str, ...]:
     return slot_tasks(slot)
 
 
-def slot_task(slot: str, task: str) -> KernelTask:
+def slot_task(slot: str, task: str) -> SlotTask:
     """``task`` (a built-in name or ``module:Class``) at its default arguments, checked to fill ``slot``."""
     cls = load_task_class(task)
-    declared = getattr(cls, "slot", None)
-    if not issubclass(cls, KernelTask) or declared is None or declared.name != slot:
+    declared = cls.slot if issubclass(cls, SlotTask) else None
+    if not issubclass(cls, SlotTask) or declared is None or declared.name != slot:
         fills = f"fills the {declared.name!r} slot" if declared is not None else "fills no engine slot"
         raise ValueError(f"{task!r} kernels cannot fill the {slot!r} slot: that task {fills}")
     return cls()
@@ -168,7 +169,7 @@ def c_slot(slot: str, kernel: CKernel, task: str | None = None) -> Callable[...,
     return bias_gelu
 
 
-def _packed_linear(kernel: CKernel, task: KernelTask) -> Callable[..., np.ndarray]:
+def _packed_linear(kernel: CKernel, task: SlotTask) -> Callable[..., np.ndarray]:
     """``x @ w + b`` through a linear kernel (bf16 or int8); each weight is packed once, on first use.
 
     The packed copies are keyed by the weight array's identity and keep the array alive (so an id is

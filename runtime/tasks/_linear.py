@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param
+from runtime.slots import SlotTask
 from runtime.task import Case, Descriptor, KernelTask, TaskArgs
 from runtime.tasks._common import load_c_source
 
@@ -42,7 +43,7 @@ class LinearArgs(TaskArgs):
         return self
 
 
-class LinearTask(KernelTask):
+class LinearTask(SlotTask):
     """A packed-weight GEMM + bias (see the module docstring); subclasses fill in the class attributes."""
 
     unit = "GFLOP/s"

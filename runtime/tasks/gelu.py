@@ -9,7 +9,8 @@ import numpy as np
 from pydantic import Field
 
 from genome import ChoiceParam, Genome, ParamSpace, Pow2Param
-from runtime.task import VALUE_KINDS, Case, Descriptor, KernelTask, Slot, TaskArgs
+from runtime.slots import Slot, SlotTask
+from runtime.task import VALUE_KINDS, Case, Descriptor, TaskArgs
 from runtime.tasks._common import load_c_source
 
 __all__ = ["Gelu"]
@@ -20,7 +21,7 @@ class GeluArgs(TaskArgs):
     cols: int = Field(1536, ge=1, description="length of each row (the feed-forward width)")
 
 
-class Gelu(KernelTask):
+class Gelu(SlotTask):
     """``y = gelu(x + bias)`` row-wise; the template varies vector width, unrolling and the erf.
 
     Its elites fill the engine's ``gelu`` slot (``runtime.engine``).

@@ -9,7 +9,8 @@ import numpy as np
 from pydantic import Field
 
 from genome import ChoiceParam, Genome, ParamSpace, Pow2Param
-from runtime.task import VALUE_KINDS, Case, Descriptor, KernelTask, Slot, TaskArgs
+from runtime.slots import Slot, SlotTask
+from runtime.task import VALUE_KINDS, Case, Descriptor, TaskArgs
 from runtime.tasks._common import load_c_source
 
 __all__ = ["LayerNorm"]
@@ -23,7 +24,7 @@ class LayerNormArgs(TaskArgs):
     eps: float = Field(1e-12, gt=0, description="added to the variance (BERT's layer_norm_eps)")
 
 
-class LayerNorm(KernelTask):
+class LayerNorm(SlotTask):
     """Row-wise layer norm; the template varies vector width, accumulators and one or two passes.
 
     Its elites fill the engine's ``layernorm`` slot (``runtime.engine``).

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from runtime.task import Case, Slot
+from runtime.slots import Slot
+from runtime.task import Case
 from runtime.tasks._linear import MINILM_SHAPES, LinearArgs, LinearTask
 
 __all__ = ["MINILM_SHAPES", "LinearBf16", "bf16_bits", "bf16_round", "pack_bf16", "unpack_bf16"]

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 import numpy as np
 from pydantic import Field
 
-from runtime.task import Case, Slot
+from runtime.slots import Slot
+from runtime.task import Case
 from runtime.tasks._linear import Avx2LinearTask, LinearArgs
 
 __all__ = ["LinearF32", "pack_f32", "unpack_f32"]

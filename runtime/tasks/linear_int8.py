@@ -26,7 +26,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from runtime.task import Case, Slot
+from runtime.slots import Slot
+from runtime.task import Case
 from runtime.tasks._linear import LinearArgs, LinearTask
 
 __all__ = ["LinearInt8", "int8_linear_reference", "pack_int8", "quantize_rows", "unpack_int8"]

@@ -9,7 +9,7 @@ fit), so the template widens both to int16 and multiplies with ``vpmaddwd``, exa
 
 from __future__ import annotations
 
-from runtime.task import Slot
+from runtime.slots import Slot
 from runtime.tasks._linear import Avx2LinearTask
 from runtime.tasks.linear_int8 import LinearInt8, LinearInt8Args
 

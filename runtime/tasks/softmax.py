@@ -9,7 +9,8 @@ import numpy as np
 from pydantic import Field
 
 from genome import ChoiceParam, Genome, ParamSpace, Pow2Param
-from runtime.task import VALUE_KINDS, Case, Descriptor, KernelTask, Slot, TaskArgs
+from runtime.slots import Slot, SlotTask
+from runtime.task import VALUE_KINDS, Case, Descriptor, TaskArgs
 from runtime.tasks._common import load_c_source
 
 __all__ = ["Softmax"]
@@ -22,7 +23,7 @@ class SoftmaxArgs(TaskArgs):
     cols: int = Field(1024, ge=1, description="length of each row (the softmax axis)")
 
 
-class Softmax(KernelTask):
+class Softmax(SlotTask):
     """Row-wise softmax; the template varies vector width, unrolling, row blocking, passes and exp."""
 
     name = "softmax"

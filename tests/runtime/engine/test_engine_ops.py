@@ -307,7 +307,7 @@ def test_a_bf16_elite_on_a_cpu_without_bf16_falls_back_to_fp32(tmp_path, monkeyp
 
 _USER_TASK = '''
 import numpy as np
-from runtime.task import Slot
+from runtime.slots import Slot
 from runtime.tasks.softmax import Softmax
 
 KERNEL = """
