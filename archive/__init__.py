@@ -1,5 +1,5 @@
-"""What is *kept*: the SQLite store of every candidate and its lineage, MAP-Elites archives, queries, and the
-files of a factory directory."""
+"""What is *kept*: a run (:class:`Run`: its directory, opened once) with the SQLite store of every candidate and
+its lineage, MAP-Elites archives, queries, and the files of a factory directory."""
 
 from archive._base import AddStatus, Archive, Descriptors, Elite, QDSnapshot, QDStats
 from archive._candidate import Candidate
@@ -9,9 +9,9 @@ from archive._factory import FactoryDir, RoundFiles
 from archive._grid import GridArchive
 from archive._llm import OUTCOME_RANK, LLMCall
 from archive._query import LAYOUT_KEY, best_per_cell, load_archive, operator_stats, rebuild_archive, save_layout
+from archive._run import OFFERS_KEY, Objective, Run, RunExists, RunNotFound, pareto_front
 from archive._schema import SCHEMA_VERSION
 from archive._store import PendingEntry, Store, is_run, run_db
-from archive._view import OFFERS_KEY, Objective, RunNotFound, RunView, pareto_front, read_run
 
 __all__ = [
     "LAYOUT_KEY",
@@ -34,8 +34,9 @@ __all__ = [
     "QDSnapshot",
     "QDStats",
     "RoundFiles",
+    "Run",
+    "RunExists",
     "RunNotFound",
-    "RunView",
     "SchemaVersionError",
     "Store",
     "StoreError",
@@ -44,7 +45,6 @@ __all__ = [
     "load_archive",
     "operator_stats",
     "pareto_front",
-    "read_run",
     "rebuild_archive",
     "run_db",
     "save_layout",

@@ -32,8 +32,8 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from archive import Candidate  # noqa: E402
-from evo.rundir import RunDir  # noqa: E402
+from archive import Candidate, Run  # noqa: E402
+from evo.rundir import frozen_config  # noqa: E402
 from genome import Genome  # noqa: E402
 from runtime import EvalRequest, EvalResult, EvalSettings, Status, Task, TaskSpec, TimingSettings  # noqa: E402
 from runtime.settings import CompilerSettings  # noqa: E402
@@ -48,7 +48,7 @@ def run_search(config: Path, run_dir: Path) -> float:
     return time.monotonic() - t0
 
 
-def climb(rd: RunDir, marks: tuple[int, ...] = (1, 2, 5, 10, 25, 50, 100, 200, 300, 500)) -> list[dict[str, Any]]:
+def climb(rd: Run, marks: tuple[int, ...] = (1, 2, 5, 10, 25, 50, 100, 200, 300, 500)) -> list[dict[str, Any]]:
     """Best fitness and its vs_reference after the first n evaluations, as measured during the search."""
     best: Candidate | None = None
     rows, n = [], 0
@@ -63,7 +63,7 @@ def climb(rd: RunDir, marks: tuple[int, ...] = (1, 2, 5, 10, 25, 50, 100, 200, 3
     return rows
 
 
-def run_wall_seconds(rd: RunDir) -> float:
+def run_wall_seconds(rd: Run) -> float:
     cands = list(rd.store.evaluated())
     return max(c.evaluated_at or 0 for c in cands) - min(c.created_at for c in cands) if cands else 0.0
 
@@ -95,10 +95,10 @@ def remeasure(genome: Genome, specs: Sequence[TaskSpec], settings: EvalSettings)
 
 
 def side_by_side(
-    rd: RunDir, make_task: Callable[[int], Task], sizes: list[int], *, seconds: float = 3.0
+    rd: Run, make_task: Callable[[int], Task], sizes: list[int], *, seconds: float = 3.0
 ) -> dict[str, Any]:
     """The run's best candidate evaluated again at each size, behind the boundary (:func:`remeasure`)."""
-    config = rd.frozen_config()
+    config = frozen_config(rd)
     best = rd.store.best(1)
     if not best:
         raise SystemExit(f"no ok candidate in {rd.path}")
@@ -119,7 +119,7 @@ def side_by_side(
     return {"candidate": cand.id, "params": dict(cand.params), "unit": cand.unit, "sizes": results}
 
 
-def report(title: str, rd: RunDir, measured: dict[str, Any], search_seconds: float | None, as_json: bool) -> None:
+def report(title: str, rd: Run, measured: dict[str, Any], search_seconds: float | None, as_json: bool) -> None:
     out = {
         "run_dir": str(rd.path),
         "evaluations": rd.store.count() - rd.store.count("pending"),
@@ -215,11 +215,11 @@ def linear_main(
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.run_dir:
-        rd = RunDir.open(args.run_dir, readonly=True)
+        rd = Run.open(args.run_dir)
         best = rd.store.best(1)
         if not best:
             raise SystemExit(f"no ok candidate in {rd.path}")
-        genome, compiler, label = best[0].genome, rd.frozen_config().evaluation.compiler, f"best of {rd.path}"
+        genome, compiler, label = best[0].genome, frozen_config(rd).evaluation.compiler, f"best of {rd.path}"
         history = climb(rd)
     else:
         genome, compiler, label, history = Genome(params=fixed_point), CompilerSettings(), "fixed point", []

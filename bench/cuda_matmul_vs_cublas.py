@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from _side_by_side import remeasure  # noqa: E402
 
-from evo.rundir import RunDir  # noqa: E402
+from archive import Run  # noqa: E402
+from evo.rundir import frozen_config  # noqa: E402
 from runtime.settings import TaskSpec, TimingSettings  # noqa: E402
 from runtime.toolchain.cuda_device import open_device  # noqa: E402
 
@@ -44,8 +45,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "evo", "run", str(args.config), "--run-dir", str(args.out)], check=True,
                        cwd=ROOT)  # fmt: skip
         run_dir = args.out
-    rd = RunDir.open(run_dir, readonly=True)
-    config, best = rd.frozen_config(), rd.store.best(1)
+    rd = Run.open(run_dir)
+    config, best = frozen_config(rd), rd.store.best(1)
     if not best:
         sys.exit(f"no ok candidate in {run_dir}")
     cand = best[0]

@@ -54,7 +54,7 @@ except ValueError as _exc:  # runtime.isa.IsaError: a level evoforge does not kn
 import numpy as np  # noqa: E402
 from _servers import EVO_SERVE, INFINITY, HttpServer, ServerFailed, evo_serve, infinity  # noqa: E402
 
-from archive import read_run  # noqa: E402
+from archive import Run  # noqa: E402
 from runtime.engine import Batcher, LoadResult, closed_loop  # noqa: E402
 from runtime.engine.task import EngineTask  # noqa: E402
 from runtime.sandbox.hosted_engine import pin, spawn_elite  # noqa: E402
@@ -175,7 +175,7 @@ def main() -> None:
         os.dup2(2, 1)
     seconds = run_search(args.config, args.out, args.max_evals) if args.config else None
     run_dir = args.out if args.config else args.run_dir
-    run = read_run(run_dir)
+    run = Run.open(run_dir)
     task = EngineTask(run.task_args)
     a = task.args
     threads, duration = task.cores, args.duration or a.duration_s
@@ -210,11 +210,11 @@ def main() -> None:
         kind = task.engine_config(cand.genome).worker_kind
         other = "process" if kind == "thread" else "thread"
         # ours in hosts of their own (filtered, the sandbox user), as served: the clock stays in this process
-        engines = {f"evoforge engine (evolved: {kind} workers)": spawn_elite(run, cand.id, model, runs=read_run),
-                   f"evoforge engine ({other} workers)": spawn_elite(run, cand.id, model, runs=read_run,
+        engines = {f"evoforge engine (evolved: {kind} workers)": spawn_elite(run, cand.id, model, runs=Run.open),
+                   f"evoforge engine ({other} workers)": spawn_elite(run, cand.id, model, runs=Run.open,
                                                                      overrides={"worker_kind": other})}
         for extra in args.also:
-            engines[f"evoforge engine {run.stored(extra).id[:12]}"] = spawn_elite(run, extra, model, runs=read_run)
+            engines[f"evoforge engine {run.stored(extra).id[:12]}"] = spawn_elite(run, extra, model, runs=Run.open)
         for engine in engines.values():
             pin(engine.process.tree(), cores)  # the peers' cores (a process worker forked later inherits them)
         servers: list[HttpServer] = []

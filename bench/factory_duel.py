@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from archive import read_run  # noqa: E402
+from archive import Run  # noqa: E402
 from evo.factory.config import FactoryConfig  # noqa: E402
 from evo.factory.measure import Measurer  # noqa: E402
 
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=4.0, help="seconds of each round (promote.duration_s)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    with read_run(args.run_dir) as run:
+    with Run.open(args.run_dir) as run:
         a = run.task_args
         cid = args.id or run.elite_ids(1)[0]
     load = {k: a[k] for k in ("threads", "concurrency", "lengths", "warmup_s", "texts", "p99_budget_ms") if k in a}

@@ -86,9 +86,9 @@ def main() -> None:
         else:
             hand, hand_s = args.hand_dir, args.hand_s
         fac_s = factory_run(args.out, args.rounds, {**env, "EVOFORGE_MEMORY_DIR": os.path.join(memory, "factory")})
-    from archive import read_run
+    from archive import Run
 
-    with read_run(hand / "engine_minilm") as run:
+    with Run.open(hand / "engine_minilm") as run:
         hand_elite = run.elite_ids(1)[0]
     factory = FactoryDir(args.out / "factory")
     promoted = factory.promotions()

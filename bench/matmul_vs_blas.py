@@ -14,7 +14,7 @@ from pathlib import Path
 
 from _side_by_side import report, run_search, side_by_side
 
-from evo.rundir import RunDir
+from archive import Run
 from runtime.tasks.matmul import Matmul
 
 
@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     seconds = run_search(args.config, args.out) if args.config else None
-    rd = RunDir.open(args.out if args.config else args.run_dir, readonly=True)
+    rd = Run.open(args.out if args.config else args.run_dir)
     measured = side_by_side(rd, lambda n: Matmul({"m": n, "n": n, "k": n}), args.sizes, seconds=args.seconds)
     report("fp32 matmul: best evolved kernel vs numpy (OpenBLAS), 1 thread", rd, measured, seconds, args.json)
 

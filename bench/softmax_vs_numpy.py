@@ -13,7 +13,7 @@ from pathlib import Path
 
 from _side_by_side import report, run_search, side_by_side
 
-from evo.rundir import RunDir
+from archive import Run
 from runtime.tasks.softmax import Softmax
 
 
@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     seconds = run_search(args.config, args.out) if args.config else None
-    rd = RunDir.open(args.out if args.config else args.run_dir, readonly=True)
+    rd = Run.open(args.out if args.config else args.run_dir)
     measured = side_by_side(rd, lambda c: Softmax({"rows": 4096, "cols": c}), args.cols, seconds=args.seconds)
     report("fp32 row-wise softmax: best evolved kernel vs numpy, 1 thread", rd, measured, seconds, args.json)
 

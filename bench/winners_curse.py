@@ -32,8 +32,9 @@ from typing import Any
 import yaml
 from _side_by_side import ROOT, careful_settings, remeasure
 
+from archive import Run
 from evo.confirm import CONFIRMED
-from evo.rundir import RunDir
+from evo.rundir import frozen_config
 from runtime import Status
 
 CONFIGS = [ROOT / "configs" / "matmul_cpu.yaml", ROOT / "configs" / "tiled_matmul_user.yaml"]
@@ -43,8 +44,8 @@ TARGET_MEDIAN, TARGET_MAX = 0.03, 0.05
 def retime(run_dir: Path, repeats: int, seconds: float) -> dict[str, Any]:
     """The run's reported best, and the same genome re-timed ``repeats`` times at the run's own task, each
     by a new sandboxed worker; the fresh figure is the median of the re-timings (in the unit, and as a ratio)."""
-    rd = RunDir.open(run_dir, readonly=True)
-    config = rd.frozen_config()
+    rd = Run.open(run_dir)
+    config = frozen_config(rd)
     best = rd.store.best(1)
     if not best:
         raise SystemExit(f"no ok candidate in {run_dir}")

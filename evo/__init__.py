@@ -2,7 +2,6 @@
 
 from evo.config import RunConfig, load_config
 from evo.errors import UserError
-from evo.rundir import RunDir
 from evo.search import RunSummary, Search
 
-__all__ = ["RunConfig", "RunDir", "RunSummary", "Search", "UserError", "load_config"]
+__all__ = ["RunConfig", "RunSummary", "Search", "UserError", "load_config"]

@@ -13,11 +13,11 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
-from archive import operator_stats, rebuild_archive
+from archive import Run, operator_stats, rebuild_archive
 from evo.config import RunConfig, load_config
 from evo.confirm import provenance
 from evo.errors import UserError
-from evo.rundir import RunDir
+from evo.rundir import create_run, frozen_config, open_run
 from evo.unfiltered import warn_if_unfiltered
 
 __all__ = ["main"]
@@ -63,7 +63,7 @@ def _with_overrides(config: RunConfig, **kw: Any) -> RunConfig:
     })
 
 
-@cli.command()
+@cli.command("run")
 @click.argument("config_path", metavar="CONFIG", type=click.Path(path_type=Path))
 @click.option("--run-dir", type=click.Path(path_type=Path), help="where the run lives [default: runs/<config name>]")
 @click.option("--max-evals", type=click.IntRange(min=1), help="stop after this many evaluations in total")
@@ -75,7 +75,7 @@ def _with_overrides(config: RunConfig, **kw: Any) -> RunConfig:
               help="evaluate on a Ray cluster (default address: auto, the one `ray start` made here)")
 @click.option("--no-confirm", is_flag=True, help="stop without confirming the best (for a session the run is "
               "resumed from: the session that ends the run confirms)")
-def run(config_path: Path, run_dir: Path | None, resume: bool, no_confirm: bool, **overrides: Any) -> None:
+def run_command(config_path: Path, run_dir: Path | None, resume: bool, no_confirm: bool, **overrides: Any) -> None:
     """Run the search described by CONFIG (a YAML file)."""
     from evo.progress import RichReporter
     from evo.search import Search
@@ -90,8 +90,8 @@ def run(config_path: Path, run_dir: Path | None, resume: bool, no_confirm: bool,
     warn_if_unfiltered()
     path = run_dir or Path("runs") / (config.name or config_path.stem)
     if resume:
-        rd = RunDir.open(path)
-        frozen = rd.frozen_config()
+        run = open_run(path, writable=True)
+        frozen = frozen_config(run)
         if overrides["seed"] is not None and overrides["seed"] != frozen.search.seed:
             raise UserError(f"--seed cannot change on --resume: this run's seed is {frozen.search.seed} "
                             "(drop --seed)")  # fmt: skip
@@ -105,13 +105,13 @@ def run(config_path: Path, run_dir: Path | None, resume: bool, no_confirm: bool,
         config = _with_overrides(frozen, **overrides)
     else:
         config = _with_overrides(config, **overrides)
-        rd = RunDir.create(path, config)
-    _configure_logging(rd.log_dir / "run.log")
+        run = create_run(path, config)
+    _configure_logging(run.log_dir / "run.log")
     if no_confirm:  # this session only: the stored config keeps its confirmation
         unconfirmed = config.search.confirm.model_copy(update={"repeats": 0})
         config = config.model_copy(update={"search": config.search.model_copy(update={"confirm": unconfirmed})})
     task = config.make_task()
-    search = Search(config, rd, reporter=RichReporter(unit=task.unit))
+    search = Search(config, run, reporter=RichReporter(unit=task.unit))
     try:
         search.run()
     except KeyboardInterrupt:
@@ -119,7 +119,7 @@ def run(config_path: Path, run_dir: Path | None, resume: bool, no_confirm: bool,
                    f"evo run {config_path} --run-dir {path} --resume", err=True)
         sys.exit(130)
     finally:
-        rd.close()
+        run.close()
 
 
 @cli.group()
@@ -127,8 +127,8 @@ def archive() -> None:
     """Query a run's archive (every candidate, its elites, their lineage)."""
 
 
-def _open(run_dir: Path) -> RunDir:
-    return RunDir.open(run_dir, readonly=True)
+def _open(run_dir: Path) -> Run:
+    return open_run(run_dir)
 
 
 def _row(c: Any) -> dict[str, Any]:
@@ -164,7 +164,7 @@ def best(run_dir: Path, top: int, as_json: bool) -> None:
     Console().print(table)
 
 
-def _get(rd: RunDir, cid: str) -> Any:
+def _get(rd: Run, cid: str) -> Any:
     try:
         cand = rd.store.get(cid)
     except KeyError as exc:
@@ -182,7 +182,7 @@ def show(run_dir: Path, candidate_id: str, as_json: bool) -> None:
     """One candidate: params, source, metrics and lineage (ID may be a unique prefix)."""
     rd = _open(run_dir)
     cand = _get(rd, candidate_id)
-    task = rd.frozen_config().make_task()
+    task = frozen_config(rd).make_task()
     source = task.render(cand.genome)
     lineage = [{"id": a.id, "operator": a.operator, "status": a.status, "fitness": a.fitness}
                for a in rd.store.lineage(cand.id)[1:]]
@@ -212,7 +212,7 @@ def export(run_dir: Path, candidate_id: str, output: Path) -> None:
     """Write a candidate's rendered, compilable source to a file."""
     rd = _open(run_dir)
     cand = _get(rd, candidate_id)
-    task = rd.frozen_config().make_task()
+    task = frozen_config(rd).make_task()
     try:
         output.write_text(task.render(cand.genome))
     except OSError as exc:
@@ -227,7 +227,7 @@ def stats(run_dir: Path, as_json: bool) -> None:
     """QD metrics, counts by status, and per operator and per model: proposals, applied, compiled, correct,
     improved, tokens."""
     rd = _open(run_dir)
-    config = rd.frozen_config()
+    config = frozen_config(rd)
     task = config.make_task()
     names = config.archive.descriptors
     arch = rebuild_archive(rd.store)
@@ -267,16 +267,16 @@ def stats(run_dir: Path, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print JSON (a list of objects)")
 def pareto(run_dir: Path, objectives: str, as_json: bool) -> None:
     """The ok candidates no other beats on every objective (e.g. an engine run's throughput against its p99)."""
-    from archive import Objective, RunView, StoreError
+    from archive import Objective, StoreError
 
     try:
         objs = Objective.parse_list(objectives)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     try:
-        with RunView(run_dir) as view:
-            front = view.pareto(objs)
-            empty = not front and [o.metric for o in objs if not any(o.raw(c) is not None for c in view.best(1000))]
+        with Run.open(run_dir) as opened:
+            front = opened.pareto(objs)
+            empty = not front and [o.metric for o in objs if not any(o.raw(c) is not None for c in opened.best(1000))]
     except StoreError as exc:
         raise UserError(str(exc)) from None
     if empty:

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from archive import read_run
+from archive import Run
 from archive.memory import MemorySettings
 from evo.errors import UserError
 from evo.llm import LLM_OPERATORS, LLMSettings
@@ -167,6 +167,7 @@ class RunConfig(_Model):
         default_factory=MemorySettings, description="the memory of discoveries shared by runs (seeds, hints, novelty)"
     )
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
+    _built_task: tuple[TaskSpec, Task] | None = PrivateAttr(None)  # (the spec it was built from, the task)
 
     def make_space(self, task: Task) -> ParamSpace:
         """The space the search explores: the config's override (completed by the task), else the task's own."""
@@ -176,14 +177,21 @@ class RunConfig(_Model):
         return task.complete_space(space) if isinstance(task, FollowsRuns) else space
 
     def make_task(self) -> Task:
+        """The task this config names, built once per task spec (copies of the config that keep the spec share
+        it: the task is built once per process, not by every part that asks)."""
+        built = self._built_task
+        if built is not None and built[0] is self.task:
+            return built[1]
         try:
             cls = load_task_class(self.task.name)
         except TaskLoadError as exc:
             raise UserError(f"task.name: {exc}") from None
         try:
-            return cls(self.task.args)
+            task = cls(self.task.args)
         except ValidationError as exc:
             raise UserError(_first_error(exc, prefix="task.args")) from None
+        self._built_task = (self.task, task)
+        return task
 
 
 def _first_error(exc: ValidationError, *, prefix: str = "") -> str:
@@ -228,7 +236,7 @@ def parse_config(data: Any, *, source: str, base_dir: Path | None = None) -> Run
         cls = load_task_class(config.task.name)
         args = cls.resolve_args(config.task.args, os.getcwd())
         if issubclass(cls, FollowsRuns):
-            args = cls.read_runs(args, read_run)
+            args = cls.read_runs(args, Run.open)
         config = config.model_copy(update={"task": config.task.model_copy(update={"args": args})})
     except TaskLoadError:
         pass  # make_task says what is wrong with the name

@@ -8,15 +8,11 @@ how many evaluations: the run can be read, and resumed, as it went.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from archive import OFFERS_KEY, Store, read_run
+from archive import Run
 from evo.config import RunConfig
 from runtime import Task
 from runtime.followed_runs import FollowsRuns
@@ -27,8 +23,8 @@ __all__ = ["Offers"]
 class Offers:
     """Looks for new offers on the search's behalf, and writes what it finds into the run."""
 
-    def __init__(self, store: Store, run_dir: Path, note: Callable[[str], None]) -> None:
-        self.store, self.run_dir, self.note = store, run_dir, note
+    def __init__(self, run: Run, note: Callable[[str], None]) -> None:
+        self.run, self.note = run, note
         self._due = 0.0  # monotonic time of the next look (now: a resumed run looks first)
 
     def look(self, config: RunConfig, task: Task, evaluations: int) -> tuple[RunConfig, list[dict[str, Any]]] | None:
@@ -40,18 +36,13 @@ class Offers:
         if not every or time.monotonic() < self._due:
             return None
         self._due = time.monotonic() + every
-        got = type(task).new_offers(config.task.args, read_run)
+        got = type(task).new_offers(config.task.args, Run.open)
         if got is None:
             return None
         args, added = got
         grown = config.model_copy(update={"task": config.task.model_copy(update={"args": args})})
-        offers = json.loads(self.store.get_meta(OFFERS_KEY) or "[]")
-        offers += [{**a, "at": time.time(), "evaluations": evaluations} for a in added]
-        stored = yaml.safe_load(self.store.get_meta("config") or "{}")  # as frozen, this session's budget aside
-        stored["task"]["args"] = args
-        text = yaml.safe_dump(stored, sort_keys=False)
-        self.store.set_metas({"config": text, OFFERS_KEY: json.dumps(offers)})
-        (self.run_dir / "config.yaml").write_text(text)
+        self.run.record_offers(args, [{**a, "at": time.time(), "evaluations": evaluations} for a in added],
+                               grown.make_task())
         for a in added:
             self.note(f"offered {a['slot']} kernel {a['id'][:12]} of {a['run_dir']} after {evaluations} evaluations")
         return grown, added

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from archive import AddStatus, Candidate, Store, StoreError, rebuild_archive
+from archive import AddStatus, Candidate, Run, Store, StoreError, rebuild_archive
 from evo.budget import Budget
 from evo.config import RunConfig
 from evo.confirm import Confirmation
@@ -31,7 +31,7 @@ from evo.offers import Offers
 from evo.operators import Operator, build_operators
 from evo.progress import Reporter, SilentReporter
 from evo.proposer import Proposer
-from evo.rundir import RunDir, build_archive
+from evo.rundir import build_archive, make_pool
 from genome import Genome
 from runtime import EvalRequest, EvalResult, Executor, Status, Task, backend_for
 from runtime.followed_runs import FollowsRuns
@@ -63,7 +63,7 @@ class Search:
     def __init__(
         self,
         config: RunConfig,
-        run_dir: RunDir,
+        run: Run,
         *,
         executor: Executor | None = None,
         reporter: Reporter | None = None,
@@ -71,15 +71,15 @@ class Search:
         weights: dict[str, float] | None = None,
     ) -> None:
         self.config = config
-        self.run_dir = run_dir
+        self.stored_run = run
         self.task: Task = config.make_task()
         self.space = config.make_space(self.task)
-        self.store: Store = run_dir.store
+        self.store: Store = run.store
         self.archive = build_archive(config, self.task, self.store)
         self.reporter = reporter or SilentReporter()
         self.workers = config.search.workers or len(os.sched_getaffinity(0))
         self._executor = executor
-        self.memory = MemoryLink.open(config.memory, self.task, str(run_dir.path.resolve()), self.reporter.note)
+        self.memory = MemoryLink.open(config.memory, self.task, str(run.path.resolve()), self.reporter.note)
         self.proposer = Proposer(
             config=config, task=self.task, space=self.space, store=self.store, archive=self.archive,
             operators=operators or {**build_operators(config.search.operators), **self._llm_operators()},
@@ -90,7 +90,7 @@ class Search:
             novelty_limit=config.memory.novelty_max_resamples,
         )
         self.challenges = Challenges(enabled=backend_for(self.task).supports("duel"))
-        self.offers = Offers(self.store, run_dir.path, self.reporter.note)
+        self.offers = Offers(run, self.reporter.note)
         self.confirmation = Confirmation(config.search.confirm, self.store, self.task.unit, self.reporter.note)
         self._best: Candidate | None = None
         self._evaluated = 0
@@ -107,7 +107,7 @@ class Search:
             self.reporter.note(message)
 
         return dict(build_llm_operators(self.config, store=self.store, task=self.task,
-                                        cache_dir=self.run_dir.cache_dir, log_dir=self.run_dir.log_dir, note=note,
+                                        cache_dir=self.stored_run.cache_dir, log_dir=self.stored_run.log_dir, note=note,
                                         memory=self.memory.search if self.memory else None,
                                         current=lambda: self.config))
 
@@ -119,8 +119,8 @@ class Search:
         queue = self._requeue_pending()
         resumed = len(queue)
         queue += self._initial_population()
-        executor = self._executor or self.run_dir.make_pool(
-            self.workers, self.config.execution, self.config.evaluation.compiler.cc, backend_for(self.task))
+        executor = self._executor or make_pool(self.stored_run, self.workers, self.config.execution,
+                                               self.config.evaluation.compiler.cc, backend_for(self.task))
         self.workers = executor.slots  # a cluster's slots are its nodes'
         self._start(budget, len(queue), resumed)
         last_snapshot, stopped = 0.0, ""
@@ -166,7 +166,7 @@ class Search:
     def _start(self, budget: Budget, queued: int, resumed: int) -> None:
         self.reporter.start(total=self.config.budget.max_evals, done=self._evaluated, workers=self.workers)
         self.reporter.note(
-            f"run dir {self.run_dir.path}: task {self.task.name} {_brief(self.config.task.args)}, "
+            f"run dir {self.stored_run.path}: task {self.task.name} {_brief(self.config.task.args)}, "
             f"{self.workers} workers, {queued} queued ({resumed} resumed), fitness in {self.task.unit}"
         )
         if self.config.llm is None:
@@ -174,7 +174,7 @@ class Search:
 
     def _summary(self, budget: Budget, stopped: str, resumed: int) -> RunSummary:
         summary = RunSummary(
-            run_dir=self.run_dir.path,
+            run_dir=self.stored_run.path,
             evaluations=self._evaluated,
             this_session=self._session,
             elapsed=budget.elapsed(),
@@ -250,7 +250,7 @@ class Search:
             genome=cand.genome,
             task=self.config.task,
             settings=self.config.evaluation,
-            cache_dir=str(self.run_dir.cache_dir),
+            cache_dir=str(self.stored_run.cache_dir),
             sys_path=tuple(p for p in sys.path if p),
         )
 

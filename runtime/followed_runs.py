@@ -1,6 +1,6 @@
 """What the runtime reads of a stored run, as an interface: ``runtime`` may not import ``archive``, which
 owns the store and its schema, so whoever reads a run for the runtime hands in a reader
-(``archive.read_run`` gives one). Used where a task is resolved: an engine task's kernel runs.
+(``archive.Run.open`` gives one). Used where a task is resolved: an engine task's kernel runs.
 
 A task whose arguments read other runs implements :class:`FollowsRuns` besides :class:`runtime.task.Task`:
 the search and whoever resolves a config ask a task for these hooks only when it has them."""

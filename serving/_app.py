@@ -24,7 +24,7 @@ from serving._kernels import KernelInvoker
 from serving._metrics import Metrics, RequestCounter
 from serving._openapi import install_openapi
 from serving._runner import EliteNotFound, ServedEngine, ServeError
-from serving._served_run import model_dir
+from serving._served_run import ServedRun, open_run
 from serving._state import Limits, State
 
 __all__ = ["create_app"]
@@ -108,18 +108,22 @@ def _routes(app: FastAPI) -> None:
         return JSONResponse({"status": "switched", "elite": served.elite, "serving": served.note})
 
 
-def create_app(run_dir: str | Path, *, elite: str = "best", api_key: str | None = None,
+def create_app(run: str | Path | ServedRun, *, elite: str = "best", api_key: str | None = None,
                limits: Limits | None = None, warmup: int = 8, follow: Path | None = None) -> ASGIApp:
-    """The serving app for ``run_dir``; the engine (``elite``) loads in the background at start-up. With
-    ``follow`` (a factory directory), it then swaps to each engine the factory promotes."""
-    run_dir = Path(run_dir)
+    """The serving app for ``run`` (a run directory, or the served run as read already: :meth:`ServedRun.read`);
+    the engine (``elite``) loads in the background at start-up. With ``follow`` (a factory directory), it
+    then swaps to each engine the factory promotes."""
+    if not isinstance(run, ServedRun):
+        with open_run(Path(run)) as opened:
+            run = ServedRun.read(opened, elite)
+    run_dir = run.path
     limits = limits or Limits()
     metrics = Metrics()
-    state = State(served=ServedEngine(run_dir, metrics, warmup=warmup),
-                  kernels=KernelInvoker(run_dir, max_elements=limits.max_kernel_elements,
+    state = State(served=ServedEngine(run, metrics, warmup=warmup),
+                  kernels=KernelInvoker(run, max_elements=limits.max_kernel_elements,
                                         timeout_s=limits.kernel_timeout_s),
                   metrics=metrics, limits=limits, api_key=api_key or None, elite=elite,
-                  model_ids=model_ids(model_dir(run_dir)))
+                  model_ids=model_ids(run.model_dir))
 
     def load() -> None:
         try:

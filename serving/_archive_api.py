@@ -9,9 +9,8 @@ from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.result import Status
-from runtime.task import load_task_class
 from serving._errors import APIError, errors
-from serving._served_run import ID_PATTERN, candidate, open_store, stored_config
+from serving._served_run import ID_PATTERN, candidate, open_store
 from serving._state import State
 
 __all__ = ["router"]
@@ -28,10 +27,10 @@ def _summary(c: Any) -> dict[str, Any]:
 
 
 def _elites(state: State, task: str | None, top: int, status: str) -> dict[str, Any]:
-    run_task = stored_config(state.served.run_dir)["task"]["name"]
+    run_task = state.served.run.task_name
     if task is not None and task != run_task:
         return {"object": "list", "task": run_task, "data": []}
-    with open_store(state.served.run_dir) as store:
+    with open_store(state.served.run.path) as store:
         cands = store.best(top) if status == "ok" else store.by_status(status, top)
     return {"object": "list", "task": run_task, "data": [_summary(c) for c in cands]}
 
@@ -44,17 +43,16 @@ async def elites(request: Request, task: str | None = Query(None, max_length=200
 
 
 def _elite(state: State, cid: str) -> dict[str, Any]:
-    cfg = stored_config(state.served.run_dir)
-    with open_store(state.served.run_dir) as store:
+    run = state.served.run
+    with open_store(run.path) as store:
         cand = candidate(store, cid)
         lineage = [{"id": a.id, "operator": a.operator, "status": str(a.status), "fitness": a.fitness}
                    for a in store.lineage(cand.id)[1:]]
     try:
-        task = load_task_class(cfg["task"]["name"])(cfg["task"].get("args") or {})
-        source: str | None = task.render(cand.genome)
+        source: str | None = run.task.render(cand.genome)
     except Exception:  # noqa: BLE001 - a task that cannot be loaded here still has its stored record
         source = cand.source
-    return {**_summary(cand), "task": cfg["task"]["name"], "source": source, "lineage": lineage}
+    return {**_summary(cand), "task": run.task_name, "source": source, "lineage": lineage}
 
 
 @router.get("/v1/elites/{id}", responses=errors(400, 401, 404))

@@ -170,4 +170,4 @@ async def models(request: Request) -> dict[str, Any]:
         "id": state.model_ids[0], "object": "model", "created": int(state.started), "owned_by": "evoforge",
         "aliases": list(state.model_ids[1:]), "dimensions": runner.engine.dim if runner else None,
         "elite": served.elite if served else None, "serving": served.note if served else "loading",
-        "run_dir": str(state.served.run_dir)}]}
+        "run_dir": str(state.served.run.path)}]}

@@ -7,11 +7,8 @@ buffers, poisoned outputs, integrity checks, a wall-clock limit, and the outputs
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,9 +16,9 @@ import numpy as np
 from runtime.backends import backend_for
 from runtime.executors import EvalRequest, LocalPool
 from runtime.settings import EvalSettings, TaskSpec
-from runtime.task import KernelTask, load_task_class
+from runtime.task import KernelTask
 from serving._errors import APIError
-from serving._served_run import ID_PATTERN, candidate, open_store, stored_config
+from serving._served_run import ID_PATTERN, ServedRun, candidate, open_store
 
 __all__ = ["KernelInvoker"]
 
@@ -37,25 +34,19 @@ class KernelInvoker:
     """Invokes the kernel elites of one run (its backend must offer stage ``run``); one call at a time, in one
     reused sandboxed worker."""
 
-    def __init__(self, run_dir: Path, *, max_elements: int = 1 << 18, timeout_s: float = 30.0) -> None:
-        self.run_dir, self.max_elements, self.timeout_s = run_dir, max_elements, timeout_s
+    def __init__(self, run: ServedRun, *, max_elements: int = 1 << 18, timeout_s: float = 30.0) -> None:
+        self.run, self.run_dir, self.max_elements, self.timeout_s = run, run.path, max_elements, timeout_s
         self._pool: LocalPool | None = None
         self._lock = threading.Lock()
         self._task: tuple[TaskSpec, KernelTask, EvalSettings, tuple[str, ...]] | None = None
 
     def _load(self) -> tuple[TaskSpec, KernelTask, EvalSettings, tuple[str, ...]]:
         if self._task is None:
-            cfg = stored_config(self.run_dir)
-            with open_store(self.run_dir) as store:
-                sys_path = tuple(json.loads(store.get_meta("sys_path") or "[]"))
-            for p in sys_path:  # a user's task module, as the run found it
-                if p not in sys.path:
-                    sys.path.append(p)
+            cfg = self.run.config
             spec = TaskSpec.model_validate(cfg["task"])
             settings = EvalSettings.model_validate(cfg.get("evaluation") or {})
             sandbox = settings.sandbox.model_copy(update={"timeout": min(settings.sandbox.timeout, self.timeout_s)})
-            self._task = (spec, load_task_class(spec.name)(spec.args), settings.model_copy(update={"sandbox": sandbox}),
-                          sys_path)
+            self._task = (spec, self.run.task, settings.model_copy(update={"sandbox": sandbox}), self.run.sys_path)
         return self._task
 
     def _case(self, task: KernelTask, case: dict[str, Any] | None) -> dict[str, int]:

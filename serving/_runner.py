@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from serving._metrics import Metrics
-from serving._served_run import EliteNotFound, ServeError
+from serving._served_run import EliteNotFound, ServedRun, ServeError, open_run
 
 if TYPE_CHECKING:
     from runtime.engine import Engine, Model
@@ -100,10 +100,10 @@ _WARM_TEXTS = ["warm up", "a somewhat longer sentence to warm up the engine's la
 
 
 class ServedEngine:
-    """Holds the current :class:`EngineRunner` of a run directory and swaps it on request."""
+    """Holds the current :class:`EngineRunner` of the served run and swaps it on request."""
 
-    def __init__(self, run_dir: Path, metrics: Metrics, *, warmup: int = 8) -> None:
-        self.run_dir, self.metrics, self.warmup = run_dir, metrics, warmup
+    def __init__(self, run: ServedRun, metrics: Metrics, *, warmup: int = 8) -> None:
+        self.run, self.metrics, self.warmup = run, metrics, warmup
         self.current: EngineRunner | None = None
         self.model: Model | None = None
         self._swap = threading.Lock()
@@ -113,47 +113,40 @@ class ServedEngine:
     def ready(self) -> bool:
         return self.current is not None
 
-    def build(self, elite: str) -> EngineRunner:
-        """Loads (``best``, an id or prefix, or ``default``), starts and warms an engine; slow, call in a thread.
+    def build(self, elite: str, run_dir: Path) -> tuple[EngineRunner, ServedRun]:
+        """Loads (``best``, an id or prefix, or ``default``, of the run in ``run_dir``), starts and warms an
+        engine; slow, call in a thread. The run is opened once, here.
 
         The engine's kernels run in a host process of their own (:func:`runtime.sandbox.hosted_engine.spawn_host`),
         started from a fresh interpreter whose environment holds no key: nothing of this process's memory
         is in it, and it drops to the sandbox user. Each kernel must load as the library its elite was
         measured with. Tokenising, batching and the timings stay here."""
-        from archive import read_run
+        from archive import Run
         from runtime.engine import RunNotFound, load_model
         from runtime.sandbox.hosted_engine import spawn_elite
-        from serving._served_run import model_dir, resolve_engine_elite
 
-        if self.model is None:
-            self.model = load_model(model_dir(self.run_dir))
-        eid, note = resolve_engine_elite(self.run_dir, elite)
-        try:
-            with read_run(self.run_dir) as run:
-                engine = spawn_elite(run, eid, self.model, runs=read_run)
-        except RunNotFound as exc:
-            raise ServeError(str(exc)) from None
-        runner = EngineRunner(engine, Served(eid, str(self.run_dir), note), self.metrics)
+        with open_run(run_dir) as run:
+            served = ServedRun.read(run, elite)
+            if self.model is None:
+                self.model = load_model(served.model_dir)
+            try:
+                engine = spawn_elite(run, served.elite_id, self.model, runs=Run.open)
+            except RunNotFound as exc:
+                raise ServeError(str(exc)) from None
+        runner = EngineRunner(engine, Served(served.elite_id, str(run_dir), served.note), self.metrics)
         try:
             runner.warm((_WARM_TEXTS * self.warmup)[: max(1, self.warmup)])
         except BaseException:
             runner.close()
             raise
-        return runner
+        return runner, served
 
     def switch(self, elite: str, run_dir: Path | None = None) -> Served:
         """Builds and warms ``elite`` (of ``run_dir``: another run of the same model, as a factory promotes
         them; default the one served), then serves it; the old engine drains in the background."""
         with self._swap:
-            served_dir = self.run_dir
-            if run_dir is not None:
-                self.run_dir = Path(run_dir)
-            try:
-                runner = self.build(elite)
-            except BaseException:
-                self.run_dir = served_dir
-                raise
-            old, self.current = self.current, runner
+            runner, served = self.build(elite, Path(run_dir) if run_dir is not None else self.run.path)
+            old, self.current, self.run = self.current, runner, served
         log.info("serving %s", runner.served.note)
         if old is not None:
             threading.Thread(target=old.close, name="evoforge-drain", daemon=True).start()

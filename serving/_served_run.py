@@ -1,20 +1,24 @@
-"""What serving reads of the served run directory, through the one read-only run view (archive.RunView):
-its task, its engine elites, its kernels; and the error of asking it for what it does not hold."""
+"""What serving holds of the served run, read once from the one :class:`archive.Run`: its config, its task,
+whether it is an engine run and for which encoder, and the elite asked for; and the error of asking it
+for what it does not hold. Requests that read candidates open the run's store in their own thread."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from archive import RunView, Store, StoreError
+from archive import Run, Store, StoreError
 
-__all__ = [
-    "ID_PATTERN", "EliteNotFound", "ServeError", "candidate", "is_engine_run", "model_dir", "open_run", "open_store",
-    "resolve_engine_elite", "run_task", "stored_config",
-]
+if TYPE_CHECKING:
+    from runtime.task import Task
+
+__all__ = ["ID_PATTERN", "EliteNotFound", "ServeError", "ServedRun", "candidate", "open_run", "open_store"]
 
 
 class ServeError(ValueError):
@@ -29,21 +33,21 @@ ID_PATTERN = re.compile(r"^[0-9a-fA-F]{1,64}$")  # a candidate id or prefix: hex
 
 
 @contextmanager
-def open_run(run_dir: Path) -> Iterator[RunView]:
-    """The run, read-only (one view per call: sqlite connections stay in their thread)."""
+def open_run(run_dir: Path) -> Iterator[Run]:
+    """The run, read-only (one per call: sqlite connections stay in their thread)."""
     try:
-        view = RunView(run_dir)
+        run = Run.open(run_dir)
     except StoreError as exc:
         raise ServeError(f"{exc} (give the directory of an evo run)") from None
-    with view:
-        yield view
+    with run:
+        yield run
 
 
 @contextmanager
 def open_store(run_dir: Path) -> Iterator[Store]:
     """The run's store, read-only."""
-    with open_run(run_dir) as view:
-        yield view.store
+    with open_run(run_dir) as run:
+        yield run.store
 
 
 def candidate(store: Store, cid: str) -> Any:
@@ -59,67 +63,81 @@ def candidate(store: Store, cid: str) -> Any:
     return cand
 
 
-def stored_config(run_dir: Path) -> dict[str, Any]:
-    """The run's frozen config as a dict."""
-    with open_run(run_dir) as view:
-        return dict(view.config)
-
-
-def run_task(run_dir: Path) -> str:
-    return str(stored_config(run_dir)["task"]["name"])
-
-
-def is_engine_run(run_dir: Path) -> bool:
+def _is_engine_task(name: str) -> bool:
     from runtime.task import load_task_class
 
     try:
         from runtime.engine.task import EngineTask
     except ImportError:
         return False
-    return issubclass(load_task_class(run_task(run_dir)), EngineTask)
+    return issubclass(load_task_class(name), EngineTask)
 
 
-def model_dir(run_dir: Path) -> Path | None:
-    """The encoder an engine run evolved engines for (its task's ``model_dir``); ``None``: the bundled one."""
-    import os
+@dataclass(frozen=True)
+class ServedRun:
+    """The served run as read once (:meth:`read`): what the app, the kernel invoker and the archive API need of
+    it, and the elite resolved (its id, ``None`` for the default engine configuration, and what is served)."""
 
-    if not is_engine_run(run_dir):
-        return None
-    given = (stored_config(run_dir)["task"].get("args") or {}).get("model_dir")
-    return Path(os.path.join(run_dir, given)) if isinstance(given, str) else None
+    path: Path
+    config: dict[str, Any]
+    sys_path: tuple[str, ...]
+    engine: bool  # an engine run (its candidates are engine configurations)
+    model_dir: Path | None  # the encoder its engines are for; None: the bundled one
+    elite_id: str | None
+    note: str
+
+    @property
+    def task_name(self) -> str:
+        return str(self.config["task"]["name"])
+
+    @cached_property
+    def task(self) -> Task:
+        """The run's task, built once here (its import paths restored); raises what building it raises."""
+        import sys
+
+        from runtime.task import load_task_class
+
+        for p in self.sys_path:  # a user's task module, as the run found it
+            if p not in sys.path:
+                sys.path.append(p)
+        return load_task_class(self.task_name)(self.config["task"].get("args") or {})
+
+    @classmethod
+    def read(cls, run: Run, elite: str) -> ServedRun:
+        """What serving holds of ``run``, with ``elite`` (``best``, ``default``, or an id or prefix of an ok
+        engine candidate) resolved; :class:`ServeError` for what the user can fix.
+
+        ``best``: the fittest ok candidate of an engine run, or the default engine configuration when the run
+        is not an engine run or has no ok candidate yet."""
+        engine = _is_engine_task(run.task_name)
+        given = run.task_args.get("model_dir") if engine else None
+        model_dir = Path(os.path.join(run.path, given)) if isinstance(given, str) else None
+        eid, note = _resolve(run, engine, elite)
+        return cls(run.path, dict(run.config), run.sys_path, engine, model_dir, eid, note)
 
 
-def resolve_engine_elite(run_dir: Path, elite: str) -> tuple[str | None, str]:
-    """``(full id or None for the default configuration, a note saying what is served)``.
-
-    ``best``: the fittest ok candidate of an engine run, or the default engine configuration when the
-    run is not an engine run or has no ok candidate yet. ``default``: the default configuration.
-    Anything else must be an ok candidate (id or unique prefix) of an engine run.
-    """
+def _resolve(run: Run, engine: bool, elite: str) -> tuple[str | None, str]:
     if elite == "default":
         return None, "the default engine configuration (EngineConfig())"
-    engine = is_engine_run(run_dir)
     if elite == "best":
         if not engine:
-            return None, (f"the default engine configuration: {run_dir} is a {run_task(run_dir)!r} run, "
+            return None, (f"the default engine configuration: {run.path} is a {run.task_name!r} run, "
                           "not an engine run (evolve one with configs/engine_minilm.yaml)")
-        with open_store(run_dir) as store:
-            best = store.best(1)
+        best = run.store.best(1)
         if not best:
-            return None, f"the default engine configuration: {run_dir} has no ok engine candidate yet"
-        return best[0].id, f"engine elite {best[0].id[:12]} (best of {run_dir}, {best[0].fitness:.1f} {best[0].unit})"
+            return None, f"the default engine configuration: {run.path} has no ok engine candidate yet"
+        return best[0].id, f"engine elite {best[0].id[:12]} (best of {run.path}, {best[0].fitness:.1f} {best[0].unit})"
     if not ID_PATTERN.match(elite):
         raise ServeError(f"elite {elite!r} is not an id: give a hex id or prefix, 'best' or 'default'")
     if not engine:
-        raise ServeError(f"{run_dir} is a {run_task(run_dir)!r} run: it holds no engine elite "
+        raise ServeError(f"{run.path} is a {run.task_name!r} run: it holds no engine elite "
                          "(serve an engine run, or --elite best for the default configuration)")
-    with open_store(run_dir) as store:
-        try:
-            cand = store.get(elite)
-        except KeyError as exc:
-            raise ServeError(str(exc.args[0] if exc.args else exc)) from None
+    try:
+        cand = run.store.get(elite)
+    except KeyError as exc:
+        raise ServeError(str(exc.args[0] if exc.args else exc)) from None
     if cand is None:
-        raise EliteNotFound(f"no candidate {elite!r} in {run_dir} (list some with: evo archive best {run_dir})")
+        raise EliteNotFound(f"no candidate {elite!r} in {run.path} (list some with: evo archive best {run.path})")
     if str(cand.status) != "ok":
         raise ServeError(f"candidate {cand.id[:12]} is {cand.status}, not ok: serve an ok elite")
-    return cand.id, f"engine elite {cand.id[:12]} of {run_dir}"
+    return cand.id, f"engine elite {cand.id[:12]} of {run.path}"

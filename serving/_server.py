@@ -16,7 +16,7 @@ from pathlib import Path
 
 from archive import FactoryDir, is_run, run_db
 from serving._runner import ServeError
-from serving._served_run import resolve_engine_elite, stored_config
+from serving._served_run import ServedRun, open_run
 from serving._state import Limits
 
 __all__ = ["serve"]
@@ -64,22 +64,22 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
     run_dir = Path(run_dir)
     if not is_run(run_dir):
         raise ServeError(f"no run in {run_dir} (expected {run_db(run_dir)}): give the directory of an evo run")
-    stored_config(run_dir)
+    with open_run(run_dir) as run:  # once: what is served, checked before the port is taken
+        served = ServedRun.read(run, elite)
     api_key = None
     if api_key_env:
         api_key = os.environ.get(api_key_env) or None
         if api_key is None:
             raise ServeError(f"--api-key-env {api_key_env}: the variable is unset or empty "
                              "(export it, or drop the flag)")
-    _, note = resolve_engine_elite(run_dir, elite)
     _check_port(host, port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("serving %s on http://%s:%d (docs at /docs)", note, host, port)
+    log.info("serving %s on http://%s:%d (docs at /docs)", served.note, host, port)
     if api_key is None:
         log.info("no API key: /v1 is open and /admin is disabled (use --api-key-env NAME)")
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("listening on %s without an API key: anyone who reaches this port can use the API", host)
-    app = create_app(run_dir, elite=elite, api_key=api_key, limits=limits, warmup=warmup,
+    app = create_app(served, elite=elite, api_key=api_key, limits=limits, warmup=warmup,
                      follow=Path(follow) if follow is not None else None)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain_timeout, log_level="info",
                             access_log=False, lifespan="on")

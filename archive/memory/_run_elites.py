@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from archive._errors import StoreError
-from archive._view import RunView
+from archive._run import Run
 from archive.memory._db import MemoryStoreError
 from archive.memory._entry import MemoryEntry, summary_text
-from runtime.task import TaskLoadError, load_task_class
+from runtime.task import TaskLoadError
 
 __all__ = ["entries_from_run"]
 
 
-def _task_info(name: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], str | None, str, str]:
-    """The task's args with defaults filled in, its C signature, backend and description (raw args and
-    no signature if the task cannot be loaded here)."""
+def _task_info(run: Run) -> tuple[dict[str, Any], str | None, str, str]:
+    """The run's task args with defaults filled in, its C signature, backend and description (raw args and
+    no signature if the task cannot be built here)."""
     try:
-        cls = load_task_class(name)
-        return cls(args).args.model_dump(mode="json"), cls.signature, cls.backend, cls.description
+        task = run.task
+        return task.args.model_dump(mode="json"), task.signature, task.backend, task.description
     except (TaskLoadError, ValueError, TypeError):
-        return dict(args), None, "c", ""
+        return run.task_args, None, "c", ""
 
 
 def entries_from_run(run_dir: str | os.PathLike[str]) -> list[MemoryEntry]:
@@ -32,13 +31,12 @@ def entries_from_run(run_dir: str | os.PathLike[str]) -> list[MemoryEntry]:
     store the hardware each was measured on."""
     path = Path(run_dir)
     try:
-        view = RunView(path)
+        view = Run.open(path)
     except StoreError as exc:
         raise MemoryStoreError(f"{path}: not a run directory ({exc})") from None
     with view:
-        view.import_paths()  # a user's task module beside its config
         task = view.task_name
-        task_args, signature, backend, description = _task_info(task, view.task_args)
+        task_args, signature, backend, description = _task_info(view)
         try:
             elites = view.archive().elites()
         except StoreError as exc:

@@ -73,7 +73,7 @@ class Measurer:
 
     def _task(self, engines: list[EngineRef], **args: Any) -> tuple[TaskSpec, list[Genome]]:
         """One engine task holding every engine's kernels, under the factory's load, and each engine's genome."""
-        from archive import read_run
+        from archive import Run
         from runtime.engine import elite_task
 
         kernels: dict[str, list[dict[str, Any]]] = {}
@@ -82,8 +82,8 @@ class Measurer:
             if ref is None:
                 genomes.append(Genome(params={}))  # EngineConfig()'s defaults: numpy operators, fp32, one worker
                 continue
-            with read_run(ref["run_dir"]) as run:
-                task, _, _, _ = elite_task(run, ref["elite"], runs=read_run)
+            with Run.open(ref["run_dir"]) as run:
+                task, _, _, _ = elite_task(run, ref["elite"], runs=Run.open)
                 genomes.append(run.stored(ref["elite"]).genome)
             for slot in task.args.kernels:
                 for kr in task.args.kernel_runs(slot):

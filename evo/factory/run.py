@@ -231,18 +231,18 @@ class Factory:
 
     def _offers(self, run_dir: Path) -> list[dict[str, Any]]:
         """What the engine run was offered while it ran: slot, kernel id, after how many evaluations."""
-        from archive import read_run
+        from archive import Run
 
-        with read_run(run_dir) as run:
+        with Run.open(run_dir) as run:
             offers = run.offers()
         return [{"slot": o["slot"], "id": o["id"], "evaluations": o["evaluations"]} for o in offers]
 
     def _duel(self, n: int, engine_run: Path) -> None:
         if self.dir.duels.has(n):
             return
-        from archive import read_run
+        from archive import Run
 
-        with read_run(engine_run) as run:
+        with Run.open(engine_run) as run:
             ids = run.elite_ids(1)
         if not ids:
             self.dir.duels.write(n, {"promoted": False, "why": f"{engine_run} has no ok engine"})
@@ -320,17 +320,20 @@ class Factory:
     def _evaluations(run_dir: Path) -> int:
         if not is_run(run_dir):
             return 0
-        from archive import Store
+        from archive import Run, StoreError
 
-        with Store(run_dir, readonly=True) as store:
-            return store.count() - store.count("pending")
+        try:
+            with Run.open(run_dir) as run:
+                return run.store.count() - run.store.count("pending")
+        except StoreError:  # created, its config not yet stored
+            return 0
 
     @staticmethod
     def _best(run_dir: Path) -> float | None:
-        from archive import Store
+        from archive import Run
 
-        with Store(run_dir, readonly=True) as store:
-            best = store.best(1)
+        with Run.open(run_dir) as run:
+            best = run.best(1)
         return best[0].fitness if best else None
 
     def _event(self, what: str, **fields: Any) -> None:

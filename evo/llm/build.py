@@ -56,7 +56,7 @@ def build_llm_operators(
     for name in wanted:
         if name == "agentic":
             tools = SandboxTools(task=task, make_request=_requests(current or (lambda: config), cache_dir),
-                                 store_path=store.path, log_dir=log_dir / "agent", memory=memory)
+                                 run_dir=store.path.parent, log_dir=log_dir / "agent", memory=memory)
             ops[name] = Agentic(session, book, hardware=hardware, tools=tools)
         else:
             cls = {"llm_diff": LLMDiff, "llm_rewrite": LLMRewrite, "llm_params": LLMParams}[name]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from archive import Store, StoreError
+from archive import Run, StoreError
 from evo.llm.prompt import candidate_section, result_line, shorten
 from genome import Genome
 from runtime import EvalRequest, EvalResult, Status, Task
@@ -54,9 +54,9 @@ def tool_specs(with_memory: bool) -> list[dict[str, Any]]:
 class SandboxTools:
     """Runs the agent's tools; thread-safe (evaluations are serialised on the one tool worker)."""
 
-    def __init__(self, *, task: Task, make_request: MakeRequest, store_path: Path, log_dir: Path,
+    def __init__(self, *, task: Task, make_request: MakeRequest, run_dir: Path, log_dir: Path,
                  memory: Callable[[str], Sequence[Any]] | None = None) -> None:
-        self.task, self.make_request, self.store_path, self.log_dir = task, make_request, store_path, log_dir
+        self.task, self.make_request, self.run_dir, self.log_dir = task, make_request, run_dir, log_dir
         self.memory = memory
         self._pool: Any = None
         self._lock = threading.Lock()
@@ -100,7 +100,8 @@ class SandboxTools:
 
     def show_candidate(self, cid: str) -> str:
         try:
-            with Store(self.store_path, readonly=True) as store:  # a reader of its own, in this thread
+            with Run.open(self.run_dir) as run:  # a reader of its own, in this thread
+                store = run.store
                 cand = store.get(cid)
                 if cand is None:
                     return f"no candidate {cid!r}"

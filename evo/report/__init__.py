@@ -18,23 +18,23 @@ __all__ = ["build_report", "report_marker", "write_report"]
 
 def build_report(path: Path) -> Report:
     """The report of the run in ``path``, or of the factory when ``path`` holds one."""
-    from archive import FactoryDir, RunView
+    from archive import FactoryDir, Run
     from evo.report import factory, page
 
     if FactoryDir(path).exists():
         return factory.build(path)
-    with RunView(path) as view:
+    with Run.open(path) as view:
         return page.build(view)
 
 
 def report_marker(path: Path) -> tuple[int, int, int]:
     """Changes whenever the run (or the factory) in ``path`` records something."""
-    from archive import FactoryDir, RunView
+    from archive import FactoryDir, Run
     from evo.report import factory
 
     if FactoryDir(path).exists():
         return factory.marker(path)
-    with RunView(path) as view:
+    with Run.open(path) as view:
         return view.marker()
 
 

@@ -3,7 +3,7 @@ the served engine's sentences/s over time, each round's profile, searches and du
 reason, and a line per run.
 
 It reports what is there: a factory killed mid-round has no duel yet, a line torn by a kill is skipped, an
-unreadable file is left out. Runs are read through :class:`archive.RunView` (read-only), as a run's report is.
+unreadable file is left out. Runs are read through :class:`archive.Run` (read-only), as a run's report is.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from urllib.parse import quote
 import matplotlib.pyplot as plt
 import yaml
 
-from archive import FactoryDir, RunView, StoreError
+from archive import FactoryDir, Run, StoreError
 from evo.report.figures import png  # also sets the backend, and texts from the files are never TeX
 from evo.report.page import Report, Section, table
 
@@ -75,7 +75,7 @@ def _config(files: FactoryDir) -> dict[str, Any]:
 def read_run_line(run_dir: Path) -> RunLine:
     """The run in ``run_dir`` in brief, read through its read-only view."""
     try:
-        with RunView(run_dir) as view:
+        with Run.open(run_dir) as view:
             cands = list(view.evaluated())
             best = view.best(1)
             stamps = [t for c in cands for t in (c.created_at, c.evaluated_at) if _num(t)]
@@ -97,7 +97,7 @@ def marker(path: Path) -> tuple[int, int, int]:
     runs = []
     for d in files.run_dirs():
         try:
-            with RunView(d) as view:
+            with Run.open(d) as view:
                 runs.append(view.marker())
         except StoreError:
             continue

@@ -1,4 +1,4 @@
-"""The report's figures, drawn with matplotlib (Agg) into PNG bytes, from a :class:`archive.RunView`.
+"""The report's figures, drawn with matplotlib (Agg) into PNG bytes, from a :class:`archive.Run`.
 
 Each function returns ``None`` when the run holds nothing to draw (no engine metrics, no bandit, ...).
 Colours of the archive map are fixed per run: from the lowest to the highest value any elite has.

@@ -1,6 +1,6 @@
 """The report of a run as sections of self-contained HTML (figures embedded as PNG data, no network).
 
-:func:`build` reads a :class:`archive.RunView` once and returns a :class:`Report`: its sections (what the
+:func:`build` reads a :class:`archive.Run` once and returns a :class:`Report`: its sections (what the
 HTML file and the live dashboard show) and its figures (what ``--png DIR`` writes).
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from archive import Candidate, Objective, RunView, StoreError, operator_stats
+from archive import Candidate, Objective, Run, StoreError, operator_stats
 from evo.confirm import provenance
 from evo.report import figures
 
@@ -46,7 +46,7 @@ class Report:
         return f'<img class="plot" data-plot="{name}" alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
 
 
-def build(view: RunView) -> Report:
+def build(view: Run) -> Report:
     """Every section of the run's report, from what the run holds now."""
     cands = list(view.evaluated())
     ok = [c for c in cands if str(c.status) == "ok" and c.fitness is not None]
@@ -80,7 +80,7 @@ def _cell(v: Any) -> str:
     return "-" if v is None else html.escape(str(v))
 
 
-def _summary(view: RunView, cands: list[Candidate], best: Candidate | None) -> Section:
+def _summary(view: Run, cands: list[Candidate], best: Candidate | None) -> Section:
     counts = figures.status_counts(cands)
     started = min((c.created_at for c in cands), default=None)
     last = max((c.evaluated_at or 0.0 for c in cands), default=None)
@@ -101,7 +101,7 @@ def _summary(view: RunView, cands: list[Candidate], best: Candidate | None) -> S
     return Section("summary", "Summary", table(None, rows, "kv"))
 
 
-def _archive(report: Report, view: RunView, ok: list[Candidate]) -> Section:
+def _archive(report: Report, view: Run, ok: list[Candidate]) -> Section:
     try:
         archive = view.archive()
     except (StoreError, ValueError) as exc:  # no layout yet, or stored descriptors that do not fit it
@@ -120,7 +120,7 @@ def _archive(report: Report, view: RunView, ok: list[Candidate]) -> Section:
     return Section("archive", "Archive", f"<p>{archive.kind} over {html.escape(desc)}</p>{body}")
 
 
-def _progress(report: Report, view: RunView, cands: list[Candidate], unit: str) -> Section:
+def _progress(report: Report, view: Run, cands: list[Candidate], unit: str) -> Section:
     curve: list[tuple[int, float, float, float | None]] = []
     top = -math.inf
     start = min((c.created_at for c in cands), default=0.0)
@@ -141,7 +141,7 @@ def _progress(report: Report, view: RunView, cands: list[Candidate], unit: str) 
 _FUNNEL = ("proposals", "applied", "compiled", "correct", "improved", "tokens")
 
 
-def _operators(report: Report, view: RunView) -> Section:
+def _operators(report: Report, view: Run) -> Section:
     try:
         ops = operator_stats(view.store)
     except (StoreError, ValueError) as exc:  # no archive layout yet, or descriptors that do not fit it
@@ -165,7 +165,7 @@ def _operators(report: Report, view: RunView) -> Section:
     return Section("operators", "Operators and models", body)
 
 
-def _lineage(view: RunView, best: Candidate) -> Section:
+def _lineage(view: Run, best: Candidate) -> Section:
     chain = view.path_to(best.id)
     rows = []
     steps = []
@@ -199,7 +199,7 @@ def _step_diff(parent: Candidate, child: Candidate, i: int) -> str:
             f"({child.id[:12]})</summary>{what}</details>")  # fmt: skip
 
 
-def _engine(report: Report, view: RunView, cands: list[Candidate]) -> Section | None:
+def _engine(report: Report, view: Run, cands: list[Candidate]) -> Section | None:
     if not any(_num(c.metrics.get("throughput")) and _num(c.metrics.get("p99_ms")) for c in cands):
         return None
     budget = view.task_args.get("p99_budget_ms")

@@ -54,7 +54,7 @@ def elite_task(
     overrides: Mapping[str, Any] | None = None,
 ) -> tuple[EngineTask, EngineConfig, CompilerSettings, str]:
     """The task, engine configuration, compiler and compile cache (the run's) of candidate ``candidate_id`` (or
-    a unique prefix) of the ``engine`` run ``run`` (``archive.read_run(dir)``). The kernels it offers
+    a unique prefix) of the ``engine`` run ``run`` (``archive.Run.open(dir)``). The kernels it offers
     travel in its stored arguments; ``runs`` reads them from their runs where an older run's arguments lack
     them. Raises :class:`RunNotFound` for a missing candidate, ValueError when the run is not an engine run
     or an override is not a valid setting."""

@@ -138,7 +138,7 @@ class EngineTask(Task, FollowsRuns):
 
     @classmethod
     def read_runs(cls, args: Mapping[str, Any], runs: OpenRun) -> dict[str, Any]:
-        """Each kernel run read once (``runs``: ``archive.read_run``): its ``top`` elites frozen into its
+        """Each kernel run read once (``runs``: ``archive.Run.open``): its ``top`` elites frozen into its
         ``ids`` and their rendered sources into ``offered``, or why it could not be read into ``unreadable``
         (a resumed run, a worker, a Ray node or a server then offers exactly these kernels, even when that
         kernel run went on evolving)."""

@@ -117,7 +117,7 @@ def _confirm_after(tmp_path, recorded: dict[str, tuple[float, float]], again: di
     confirmation measures ``again`` (name -> (fitness, vs_reference) or a failed result, in turn). Returns
     the run's summary, the names of its best (confirmed first), its confirmed ones and the notes."""
     from evo.config import parse_config
-    from evo.rundir import RunDir
+    from evo.rundir import create_run
     from evo.search import Search
     from genome import Genome
 
@@ -125,7 +125,7 @@ def _confirm_after(tmp_path, recorded: dict[str, tuple[float, float]], again: di
                            "search": {"workers": 1, "initial_random": 0, "confirm": {"repeats": 3, "top": top}},
                            "budget": {"max_evals": len(recorded)}, "memory": {"enabled": False},
                            "archive": {"descriptors": ["vector_width"], "bins": 4}}, source="test")  # fmt: skip
-    rd = RunDir.create(tmp_path / "run", config)
+    rd = create_run(tmp_path / "run", config)
     name_of = {}
     for i, (name, (fitness, vs)) in enumerate(recorded.items()):
         genome = Genome(params={"VEC": 1, "UNROLL": 1, "case": i})

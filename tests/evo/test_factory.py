@@ -113,9 +113,9 @@ def test_a_factory_profiles_plans_searches_and_promotes(factory):
     with Store(factory / "runs" / "engine-r1", readonly=True) as store:
         confirmed = [c.metrics["confirmed"] for c in store.evaluated() if "confirmed" in c.metrics]
     assert confirmed and all(len(c["statuses"]) == 1 for c in confirmed)  # one fresh evaluation, as configured
-    from archive import read_run
+    from archive import Run
 
-    with read_run(factory / "runs" / "engine-r1") as engine:  # it followed them: offered each elite as it landed
+    with Run.open(factory / "runs" / "engine-r1") as engine:  # it followed them: offered each elite as it landed
         offers = engine.offers()
         stored = engine.task_args["kernels"]
         tried = [c for c in engine.evaluated() if c.operator == "offer"]

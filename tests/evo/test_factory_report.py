@@ -18,7 +18,7 @@ pytest.importorskip("matplotlib")
 from dashboard_testlib import dashboard  # noqa: E402
 from report_testlib import evo  # noqa: E402
 
-from archive import FactoryDir, RunView  # noqa: E402
+from archive import FactoryDir, Run  # noqa: E402
 from evo.report import write_report  # noqa: E402
 
 SECTIONS = ("factory", "timeline", "profiles", "searches", "duels", "decisions", "runs")
@@ -47,7 +47,7 @@ def test_the_report_of_a_real_factory_shows_its_timeline_promotion_and_runs(fact
     runs = sorted(p.name for p in (factory / "runs").iterdir())
     assert runs == ["engine-r1", "gelu", "layernorm"]
     for name in runs:
-        with RunView(factory / "runs" / name) as view:
+        with Run.open(factory / "runs" / name) as view:
             best = view.best(1)[0]
             line = f"<b>{name}</b>: task {view.task_name}, {len(list(view.evaluated()))} evaluations, " \
                    f"best {best.fitness:.4g} {best.unit}"  # fmt: skip

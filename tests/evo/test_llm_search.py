@@ -26,9 +26,10 @@ from llm_testlib import (
     user_prompt,
 )
 
+from archive import Run
 from evo.config import parse_config
 from evo.progress import SilentReporter
-from evo.rundir import RunDir
+from evo.rundir import create_run, frozen_config, open_run
 from evo.search import Search
 
 pytestmark = pytest.mark.slow
@@ -46,7 +47,7 @@ class Notes(SilentReporter):
 def run(tmp_path: Path, cfg: dict, *, resume: bool = False, name: str = "run") -> tuple[Search, Notes]:
     config = parse_config(cfg, source="test")
     path = tmp_path / name
-    rd = RunDir.open(path) if resume else RunDir.create(path, config)
+    rd = open_run(path, writable=True) if resume else create_run(path, config)
     reporter = Notes()
     search = Search(config, rd, reporter=reporter)
     search.run()
@@ -62,7 +63,7 @@ def test_a_diff_turns_the_naive_seed_into_an_improvement_end_to_end(tmp_path):
                               env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert fake.auth and set(fake.auth) == {f"Bearer {SECRET}"}
-    rd = RunDir.open(tmp_path / "run", readonly=True)
+    rd = Run.open(tmp_path / "run")
     (child,) = rd.store.by_operator("llm_diff")
     (seed,) = rd.store.by_operator("seed")
     assert child.status == "ok" and FAST_LOOP in child.source  # the kernel saw no API key in its environment
@@ -166,10 +167,10 @@ def test_a_resumed_run_replays_answers_instead_of_paying_again(tmp_path):
         cfg["search"]["confirm"] = {"repeats": 0}  # stop with the model's answers still in flight
         first, _ = run(tmp_path, cfg)
         paid_first = len(fake.requests)
-        rd = RunDir.open(tmp_path / "run")  # as evo run --resume does: the stored config, a larger budget
-        frozen = rd.frozen_config()
+        rd = open_run(tmp_path / "run", writable=True)  # as evo run --resume does: the stored config, a larger budget
+        frozen = frozen_config(rd)
         Search(frozen.model_copy(update={"budget": frozen.budget.model_copy(update={"max_evals": 4})}), rd).run()
-    calls = RunDir.open(tmp_path / "run", readonly=True).store.llm_calls()
+    calls = Run.open(tmp_path / "run").store.llm_calls()
     paid = [c for c in calls if not c["cached"]]
     assert len(fake.requests) == len(paid) and paid_first >= 1
     assert len({(c["prompt_hash"], c["slot"]) for c in paid}) == len(paid)  # no answer paid for twice

@@ -176,7 +176,7 @@ def test_search_memory_is_offered_only_with_a_memory(tmp_path):
     names = lambda specs: [s["function"]["name"] for s in specs]  # noqa: E731
     assert "search_memory" not in names(tool_specs(False)) and names(tool_specs(True))[-2:] == ["search_memory",
                                                                                                    "commit"]
-    tools = SandboxTools(task=NaiveMatmul(), make_request=None, store_path=tmp_path / "x.db", log_dir=tmp_path,
+    tools = SandboxTools(task=NaiveMatmul(), make_request=None, run_dir=tmp_path, log_dir=tmp_path,
                          memory=lambda q: [Hit(f"packed 6x32 tile for {q}", 0.9)])
     assert "packed 6x32 tile for matmul" in tools.search_memory("matmul")
 
@@ -186,16 +186,16 @@ def test_the_agents_tool_requests_carry_what_the_search_was_offered_since_it_sta
     requests are built from the config as it is at each call, not as it was when the operator was made."""
     from llm_testlib import llm_config
 
-    from evo.rundir import RunDir
+    from evo.rundir import create_run
     from evo.search import Search
     from genome import Genome
 
     config = parse_config(llm_config("http://127.0.0.1:9/v1", weights={"agentic": 1}), source="test")
-    search = Search(config, RunDir.create(tmp_path / "run", config))
+    search = Search(config, create_run(tmp_path / "run", config))
     tools = search.proposer.operators["agentic"].tools
     assert tools.make_request(Genome(params={}, source=NAIVE), "k0", "check").task.args["m"] == 64
     grown = config.task.model_copy(update={"args": {**config.task.args, "m": 32}})
     search.config = config.model_copy(update={"task": grown})  # as an offer grows the task's args
     request = tools.make_request(Genome(params={}, source=NAIVE), "k1", "check")
     assert request.task.args["m"] == 32 and request.stages == "check"
-    search.run_dir.close()
+    search.stored_run.close()

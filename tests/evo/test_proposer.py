@@ -7,7 +7,7 @@ import pytest
 
 from evo.config import OperatorsConfig, parse_config
 from evo.operators import Mutate, Operator, Proposal, RandomSample
-from evo.rundir import RunDir
+from evo.rundir import create_run
 from evo.search import Search
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def test_blocking_operator_children_are_stored_and_evaluated(tmp_path):
         "memory": {"enabled": False},
     }, source="test")
     slow = SlowMutate()
-    rd = RunDir.create(tmp_path / "run", config)
+    rd = create_run(tmp_path / "run", config)
     search = Search(config, rd, operators={"slow": slow, "random": RandomSample()},
                     weights={"slow": 0.8, "random": 0.2})
     summary = search.run()

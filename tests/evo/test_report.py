@@ -17,7 +17,7 @@ pytest.importorskip("matplotlib")
 from cli_testlib import evo_here  # noqa: E402
 from report_testlib import evo, make_run  # noqa: E402
 
-from archive import CVTArchive, GridArchive, Objective, RunView, Store, pareto_front, save_layout  # noqa: E402
+from archive import CVTArchive, GridArchive, Objective, Run, Store, pareto_front, save_layout  # noqa: E402
 from genome import Genome  # noqa: E402
 from runtime.result import EvalResult, Status  # noqa: E402
 
@@ -51,7 +51,7 @@ def test_the_report_of_a_real_run_holds_every_view_offline(run, tmp_path):
     assert not re.search(r'(src|href)="(https?:)?//', page), "the report loads something from the network"
     pngs = {p.stem: p.read_bytes() for p in (tmp_path / "png").glob("*.png")}
     assert set(pngs) == plots and all(_drawn(d) for d in pngs.values())
-    with RunView(run) as view:
+    with Run.open(run) as view:
         best = view.best(1)[0]
         chain = view.path_to(best.id)
     assert best.id[:12] in page and chain[0].operator in ("seed", "random")
@@ -59,7 +59,7 @@ def test_the_report_of_a_real_run_holds_every_view_offline(run, tmp_path):
 
 
 def test_the_bandit_weights_are_stored_as_the_run_goes(run):
-    with RunView(run) as view:
+    with Run.open(run) as view:
         history = view.store.bandit_history()
     assert history and {"mutate", "crossover"} <= set(history[-1][2])
     assert all(0 < w < 1 for _, _, weights in history for w in weights.values())

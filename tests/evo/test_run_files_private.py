@@ -8,7 +8,7 @@ import os
 import pytest
 
 from evo.config import parse_config
-from evo.rundir import RunDir
+from evo.rundir import create_run
 from genome import Genome
 from runtime.executors import EvalRequest, LocalPool
 from runtime.result import Status
@@ -44,7 +44,7 @@ def test_a_candidate_cannot_read_the_files_of_the_run_it_is_evaluated_in(tmp_pat
     config = parse_config({"task": {"name": "matmul", "args": {"m": 32, "n": 32, "k": 32}},
                            "archive": {"descriptors": ["source_lines"], "bins": 4}, "memory": {"enabled": False}},
                           source="test")  # fmt: skip
-    run = RunDir.create(run_path, config)
+    run = create_run(run_path, config)
     assert (os.stat(run_path).st_mode & 0o777) == 0o700
     genome = Genome(source=READS_THE_RUN % {"run": run_path})
     settings = config.evaluation.model_copy(update={"check_trials": 1})

@@ -173,16 +173,42 @@ def test_a_resumed_session_evaluates_the_offers_left_pending_first(tmp_path):
     """An offer (a candidate made of a newly offered kernel) left pending when a session's budget ran out goes
     first in the next session, before the older seeds and samples still pending."""
     from evo.config import load_config
-    from evo.rundir import RunDir
+    from evo.rundir import create_run, open_run
     from evo.search import Search
     from genome import Genome
 
     config = load_config(small_config(tmp_path, max_evals=4))
-    first = Search(config, RunDir.create(tmp_path / "run", config))
+    first = Search(config, create_run(tmp_path / "run", config))
     for op, unroll in (("seed", 1), ("random", 2), ("offer", 4), ("random", 8), ("offer", 16)):
         assert first.proposer.add(Genome(params={"UNROLL": unroll}), [], op) is not None
-    first.run_dir.close()
-    resumed = Search(config, RunDir.open(tmp_path / "run"))
+    first.stored_run.close()
+    resumed = Search(config, open_run(tmp_path / "run", writable=True))
     order = [(c.operator, c.genome.params["UNROLL"]) for c in resumed._requeue_pending()]
     assert order == [("offer", 4), ("offer", 16), ("seed", 1), ("random", 2), ("random", 8)]
-    resumed.run_dir.close()
+    resumed.stored_run.close()
+
+
+def test_a_run_builds_its_task_once_and_a_resumed_one_twice(tmp_path, monkeypatch):
+    """The backend check, the summary's unit and the search share the task the config built (one ``evo run``
+    used to build it four times); a resumed run builds the file's, then the stored config's."""
+    from cli_testlib import evo_here
+
+    from runtime.tasks.matmul import Matmul
+
+    built: list[object] = []
+    init = Matmul.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Matmul, "__init__", counted)
+    cfg = str(small_config(tmp_path, max_evals=2, n=64))
+    got = evo_here("run", cfg, "--run-dir", "run", "--workers", "1", "--no-confirm", cwd=tmp_path)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert len(built) == 1
+    built.clear()
+    got = evo_here("run", cfg, "--run-dir", "run", "--workers", "1", "--no-confirm", "--resume", "--max-evals", "3",
+                   cwd=tmp_path)  # fmt: skip
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert len(built) == 2

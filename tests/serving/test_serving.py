@@ -44,13 +44,13 @@ def test_ready_is_503_until_warm(engine_server: Server) -> None:
 
 def test_openai_client_equals_the_engine(engine_server: Server, runs) -> None:
     openai = pytest.importorskip("openai")
-    from archive import read_run
+    from archive import Run
     from runtime.engine import load_elite
 
     client = openai.OpenAI(base_url=engine_server.url + "/v1", api_key=KEY, max_retries=0)
     got = client.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS)  # the client asks for base64
     flt = client.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS, encoding_format="float")
-    with read_run(runs["engine"]) as run:
+    with Run.open(runs["engine"]) as run:
         engine = load_elite(run, engine_server.call("GET", "/ready")[1]["elite"])
     try:
         want = engine.embed(TEXTS)

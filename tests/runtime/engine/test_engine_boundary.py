@@ -176,11 +176,11 @@ def kernel_run(path: Path, sources: list[str]) -> list[str]:
 def engine_requests(tmp: Path, sources: list[str], **args) -> list[EvalRequest]:
     """One request per source: the engine with that layernorm kernel, all of one task (the first request's
     task is the one a worker prepares before it drops privileges)."""
-    from archive import read_run
+    from archive import Run
 
     ids = kernel_run(tmp / "kernels", sources)
     kernels = {"layernorm": {"run_dir": str(tmp / "kernels"), "ids": ids}}
-    resolved = EngineTask.read_runs(EngineTask.resolve_args({**ARGS, **args, "kernels": kernels}, str(tmp)), read_run)
+    resolved = EngineTask.read_runs(EngineTask.resolve_args({**ARGS, **args, "kernels": kernels}, str(tmp)), Run.open)
     spec = TaskSpec(name="engine", args=resolved)
     settings = EvalSettings.model_validate({"timing": {"lock_file": str(tmp / "timing.lock")},
                                             "sandbox": {"timeout": 120.0}})  # fmt: skip

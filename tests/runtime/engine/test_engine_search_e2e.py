@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from archive import read_run
+from archive import Run
 from runtime.engine import Engine, EngineConfig, load_elite, numpy_ops
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_engine_search_runs_and_its_elite_loads_back(tmp_path, model, sentences)
     assert with_kernel
     want = Engine(model, numpy_ops(), EngineConfig()).embed(sentences[:8])
     for cid in [ids[0], *with_kernel[:1]]:
-        with read_run(run_dir) as run:
+        with Run.open(run_dir) as run:
             engine = load_elite(run, cid[:12], model=model)
         try:
             assert engine.config.max_batch == best[ids.index(cid)]["params"]["max_batch"]

@@ -118,11 +118,11 @@ def test_a_genome_outside_the_engine_is_invalid(task, tmp_path):
 
 
 def test_a_missing_kernel_run_is_an_error_unless_optional(tmp_path):
-    from archive import read_run
+    from archive import Run
     from genome import SpaceError
 
     missing = {"gelu": {"run_dir": str(tmp_path / "no-run")}}
-    resolved = EngineTask.read_runs(EngineTask.resolve_args({**TINY, "kernels": missing}, str(tmp_path)), read_run)
+    resolved = EngineTask.read_runs(EngineTask.resolve_args({**TINY, "kernels": missing}, str(tmp_path)), Run.open)
     assert "no run in" in resolved["kernels"]["gelu"]["unreadable"]
     with pytest.raises(SpaceError, match=r"kernels\.gelu: no run in .*optional: true"):
         EngineTask(resolved).space()
@@ -130,7 +130,7 @@ def test_a_missing_kernel_run_is_an_error_unless_optional(tmp_path):
         EngineTask({**TINY, "kernels": missing}).space()
     optional = {"gelu": {**missing["gelu"], "optional": True}}
     t = EngineTask(EngineTask.read_runs(EngineTask.resolve_args({**TINY, "kernels": optional}, str(tmp_path)),
-                                        read_run))  # fmt: skip
+                                        Run.open))  # fmt: skip
     assert "kernel_gelu" not in t.space().names() and "kernel_gelu" not in t.seeds()[0].params
 
 
@@ -140,7 +140,7 @@ def test_a_kernel_run_is_read_once_into_the_args_it_travels_in(tmp_path):
     keeps what was read (a resumed run offers the same kernels)."""
     import shutil
 
-    from archive import Store, read_run
+    from archive import Run, Store
     from runtime.result import EvalResult
 
     run = tmp_path / "gelu-run"
@@ -154,7 +154,7 @@ def test_a_kernel_run_is_read_once_into_the_args_it_travels_in(tmp_path):
         store.record_result(genome.id, EvalResult(status=Status.OK, fitness=float(i), unit="GB/s"))
     store.close()
     kernels = {"gelu": {"run_dir": "gelu-run", "top": 2}}
-    args = EngineTask.read_runs(EngineTask.resolve_args({**TINY, "kernels": kernels}, str(tmp_path)), read_run)
+    args = EngineTask.read_runs(EngineTask.resolve_args({**TINY, "kernels": kernels}, str(tmp_path)), Run.open)
     entry = args["kernels"]["gelu"]
     assert entry["run_dir"] == str(run) and len(entry["ids"]) == 2
     offered = [o["source"] for o in entry["offered"].values()]  # rendered: the fittest first
@@ -164,7 +164,7 @@ def test_a_kernel_run_is_read_once_into_the_args_it_travels_in(tmp_path):
     assert task.kernel_choices() == {"gelu": [i[:16] for i in entry["ids"]]}
     config = task.engine_config(Genome(params={**task.seeds()[-1].params}))
     assert task.kernel_sources(config)["gelu"].source == offered[0]
-    assert EngineTask.read_runs(EngineTask.resolve_args(args, str(tmp_path)), read_run) == args
+    assert EngineTask.read_runs(EngineTask.resolve_args(args, str(tmp_path)), Run.open) == args
 
 
 def test_relative_kernel_run_dirs_are_made_absolute():  # nothing to read them with: paths only

@@ -1,8 +1,13 @@
-"""One read-only view of a run directory: what every reader of a run uses.
+"""A run directory, opened once: what every part of evoforge holds of a run.
 
-The CLI's queries, the report, the dashboard, serving and the memory's importer read a run through
-:class:`RunView`. It opens the store read-only (SQLite in WAL mode: a reader never blocks the run's
-writer, and never writes), so it can watch a run that is still going.
+``evo run`` creates or continues one writable; the CLI's queries, the report, the dashboard, serving, the
+memory's importer and the runtime (through :class:`runtime.followed_runs.RunReader`) open it read-only
+(SQLite in WAL mode: a reader never blocks the run's writer, and never writes), so they can watch a run
+that is still going. A process opens a run once and passes the :class:`Run` on, never its path to open
+again; the run builds its task once.
+
+The directory: ``archive.db`` (every candidate, the frozen config, the offers), ``config.yaml`` (the frozen
+config for a reader), ``cache/`` (compiled candidates) and ``logs/``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -24,17 +29,28 @@ from archive._errors import CandidateNotFoundError, StoreError
 from archive._query import rebuild_archive
 from archive._store import Store, run_db
 from runtime import followed_runs as _runtime_runs
+from runtime.sandbox.limits import private_dir
 
-__all__ = ["OFFERS_KEY", "Objective", "RunNotFound", "RunView", "pareto_front", "read_run"]
+if TYPE_CHECKING:
+    from runtime.task import Task
+
+__all__ = ["OFFERS_KEY", "Objective", "Run", "RunExists", "RunNotFound", "pareto_front"]
 
 OFFERS_KEY = "offers"
 """Store meta: a JSON list of what a run's task was offered while it ran (an engine task's kernels from the
 kernel runs it follows), each with ``at`` (unix time) and ``evaluations`` (how many were done by then)."""
 
+CONFIG_KEY = "config"  # store meta: the frozen config, as YAML
+SYS_PATH_KEY = "sys_path"  # store meta: JSON list of the directories the run imported its task from
+
 
 class RunNotFound(StoreError, _runtime_runs.RunNotFound):
     """No run in the directory, or not one written by ``evo run`` (or no such candidate in it, for
-    :meth:`RunView.stored`)."""
+    :meth:`Run.stored`)."""
+
+
+class RunExists(StoreError):
+    """:meth:`Run.create` on a directory that holds a run already."""
 
 
 def _config(text: str, db: Path) -> dict[str, Any]:
@@ -50,55 +66,98 @@ def _config(text: str, db: Path) -> dict[str, Any]:
     return config
 
 
-def read_run(path: str | os.PathLike[str]) -> RunView:
-    """The run in ``path`` for the runtime (a :class:`runtime.followed_runs.RunReader`): any failure to read it is
-    :class:`RunNotFound`, with the reason."""
-    try:
-        return RunView(path)
-    except RunNotFound:
-        raise
-    except StoreError as exc:
-        raise RunNotFound(f"{path}: {exc}") from None
+class Run:
+    """A run directory with its store open: read-only (:meth:`open`), or writable (``writable=True``, and
+    :meth:`create`) for the one process that runs the search.
 
+    Build one with :meth:`open` or :meth:`create`; it closes its store with itself."""
 
-class RunView:
-    """A run directory (``archive.db``, ``config.yaml``, ``cache/``, ``logs/``), read-only.
-
-    ``store``: the run's own store, already open (the run itself reading what it wrote); by default the
-    view opens one read-only, and closes it with itself."""
-
-    def __init__(self, path: str | os.PathLike[str], *, store: Store | None = None) -> None:
-        self.path = Path(path)
-        db = run_db(self.path)
-        if store is None and not db.is_file():
-            raise RunNotFound(f"no run in {self.path} (expected {db}): check the path, or start one with evo run")
-        self.store = store or Store(db, readonly=True)
-        text = self.store.get_meta("config")
+    def __init__(self, path: Path, store: Store, *, task: Task | None = None) -> None:
+        self.path = path
+        self.store = store
+        self._task = task
+        db = run_db(path)
+        text = store.get_meta(CONFIG_KEY)
         if text is None:
-            if store is None:
-                self.store.close()
             raise RunNotFound(f"{db} has no stored config: it was not written by evo run")
         self.config_text = text
+        self.config: dict[str, Any] = _config(text, db)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, writable: bool = False) -> Run:
+        """The run in ``path``; :class:`RunNotFound` (with the reason) when there is none or it cannot be read.
+        ``writable``: to continue it (its ``cache/`` and ``logs/`` made if missing)."""
+        path = Path(path)
+        db = run_db(path)
+        if not db.is_file():
+            raise RunNotFound(f"no run in {path} (expected {db}): check the path, or start one with evo run")
         try:
-            self.config: dict[str, Any] = _config(text, db)
-        except RunNotFound:
-            if store is None:
-                self.store.close()
+            store = Store(db, readonly=not writable)
+        except StoreError as exc:
+            raise RunNotFound(f"{path}: {exc}") from None
+        try:
+            run = cls(path, store)
+        except BaseException:
+            store.close()
             raise
+        if writable:
+            run._make_dirs()
+        return run
+
+    @classmethod
+    def create(cls, path: str | os.PathLike[str], *, config_text: str, task: Task | None = None,
+               sys_path: Sequence[str] = ()) -> Run:  # fmt: skip
+        """A new run in ``path`` (made private to its owner), frozen with ``config_text`` (YAML); ``task``: the
+        task already built from it, ``sys_path``: where its task module imports from. :class:`RunExists`
+        when the directory holds a run."""
+        path = Path(path)
+        if run_db(path).exists():
+            raise RunExists(f"{path} already holds a run")
+        private_dir(path)
+        store = Store(run_db(path))
+        try:
+            store.set_metas({CONFIG_KEY: config_text, SYS_PATH_KEY: json.dumps([p for p in sys_path if p])})
+            (path / "config.yaml").write_text(config_text)
+            run = cls(path, store, task=task)
+        except BaseException:
+            store.close()
+            raise
+        run._make_dirs()
+        return run
+
+    def _make_dirs(self) -> None:
+        private_dir(self.path)  # a run started by an older version too
+        self.cache_dir.mkdir(exist_ok=True)
+        self.log_dir.mkdir(exist_ok=True)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def close(self) -> None:
         self.store.close()
 
-    def __enter__(self) -> RunView:
+    def __enter__(self) -> Run:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:  # fmt: skip
         self.close()
 
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}{'' if self.store.readonly else ', writable=True'})"
+
     # -- what the run is ---------------------------------------------------------------------------
+
+    @property
+    def writable(self) -> bool:
+        return not self.store.readonly
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.path / "cache"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.path / "logs"
 
     @property
     def name(self) -> str:
@@ -112,16 +171,42 @@ class RunView:
     def task_args(self) -> dict[str, Any]:
         return dict((self.config.get("task") or {}).get("args") or {})
 
+    @property
+    def task(self) -> Task:
+        """The run's task, built once (its import paths restored): the one given to :meth:`create`, else built
+        from the stored config. Raises what building it raises (:class:`runtime.task.TaskLoadError`, a
+        validation error)."""
+        if self._task is None:
+            from runtime.task import load_task_class
+
+            self.import_paths()
+            self._task = load_task_class(self.task_name)(self.task_args)
+        return self._task
+
+    @property
+    def sys_path(self) -> tuple[str, ...]:
+        """The directories the run imported its task from (a user's task module beside its config)."""
+        return tuple(str(p) for p in json.loads(self.store.get_meta(SYS_PATH_KEY) or "[]"))
+
     def import_paths(self) -> None:
-        """Puts the directories the run imported its task from on ``sys.path`` (a user's task module beside its
-        config), so that the run's task can be loaded here."""
-        for p in json.loads(self.store.get_meta("sys_path") or "[]"):
+        """Puts :attr:`sys_path` on ``sys.path``, so that the run's task can be loaded here."""
+        for p in self.sys_path:
             if p not in sys.path:
                 sys.path.append(p)
 
     def offers(self) -> list[dict[str, Any]]:
         """What the task was offered during the run, in order (see :data:`OFFERS_KEY`); none for most runs."""
         return list(json.loads(self.store.get_meta(OFFERS_KEY) or "[]"))
+
+    def record_offers(self, args: dict[str, Any], added: Sequence[dict[str, Any]], task: Task) -> None:
+        """Freezes the task's grown ``args`` (``task``: built from them) and appends ``added`` to the offers, in
+        one transaction; ``config.yaml`` follows."""
+        stored = dict(self.config)
+        stored["task"] = {**(stored.get("task") or {}), "args": args}
+        text = yaml.safe_dump(stored, sort_keys=False)
+        self.store.set_metas({CONFIG_KEY: text, OFFERS_KEY: json.dumps(self.offers() + list(added))})
+        (self.path / "config.yaml").write_text(text)
+        self.config_text, self.config, self._task = text, stored, task
 
     # -- what it holds -----------------------------------------------------------------------------
 
