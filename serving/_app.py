@@ -24,7 +24,7 @@ from serving._kernels import KernelInvoker
 from serving._metrics import Metrics, RequestCounter
 from serving._openapi import install_openapi
 from serving._runner import EliteNotFound, ServedEngine, ServeError
-from serving._served_run import ServedRun, open_run
+from serving._served_run import ServedRun, open_served
 from serving._state import Limits, State
 
 __all__ = ["create_app"]
@@ -114,7 +114,7 @@ def create_app(run: str | Path | ServedRun, *, elite: str = "best", api_key: str
     the engine (``elite``) loads in the background at start-up. With ``follow`` (a factory directory), it
     then swaps to each engine the factory promotes."""
     if not isinstance(run, ServedRun):
-        with open_run(Path(run)) as opened:
+        with open_served(Path(run)) as opened:
             run = ServedRun.read(opened, elite)
     run_dir = run.path
     limits = limits or Limits()

@@ -35,7 +35,7 @@ class KernelInvoker:
     reused sandboxed worker."""
 
     def __init__(self, run: ServedRun, *, max_elements: int = 1 << 18, timeout_s: float = 30.0) -> None:
-        self.run, self.run_dir, self.max_elements, self.timeout_s = run, run.path, max_elements, timeout_s
+        self.run, self.max_elements, self.timeout_s = run, max_elements, timeout_s
         self._pool: LocalPool | None = None
         self._lock = threading.Lock()
         self._task: tuple[TaskSpec, KernelTask, EvalSettings, tuple[str, ...]] | None = None
@@ -90,19 +90,19 @@ class KernelInvoker:
         if not backend_for(task).supports("run"):
             raise APIError(400, f"the {task.name} task's candidates cannot be invoked on given inputs "
                            f"(its {task.backend} backend does not run them one call at a time)", code="not_a_kernel")
-        with open_store(self.run_dir) as store:
+        with open_store(self.run.path) as store:
             cand = candidate(store, cid)
         if str(cand.status) != "ok":
             raise APIError(409, f"candidate {cand.id[:12]} is {cand.status}, not ok", param="id")
         case_ = self._case(task, case)
         arrays = self._inputs(task, case_, inputs)
         request = EvalRequest(key=cand.id, genome=cand.genome, task=spec, settings=settings,
-                              cache_dir=str(self.run_dir / "cache"), sys_path=sys_path, stages="run",
+                              cache_dir=str(self.run.path / "cache"), sys_path=sys_path, stages="run",
                               case=case_, inputs=arrays)
         with self._lock:
             if self._pool is None:
                 self._pool = LocalPool(workers=1)
-            (self.run_dir / "cache").mkdir(exist_ok=True)
+            (self.run.path / "cache").mkdir(exist_ok=True)
             self._pool.submit(request)
             got = self._pool.next_result(timeout=settings.sandbox.timeout + 30)
         if got is None:

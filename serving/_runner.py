@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from serving._metrics import Metrics
-from serving._served_run import EliteNotFound, ServedRun, ServeError, open_run
+from serving._served_run import EliteNotFound, ServedRun, ServeError, open_served
 
 if TYPE_CHECKING:
     from runtime.engine import Engine, Model
@@ -125,7 +125,7 @@ class ServedEngine:
         from runtime.engine import RunNotFound, load_model
         from runtime.sandbox.hosted_engine import spawn_elite
 
-        with open_run(run_dir) as run:
+        with open_served(run_dir) as run:
             served = ServedRun.read(run, elite)
             if self.model is None:
                 self.model = load_model(served.model_dir)

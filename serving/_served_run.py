@@ -18,7 +18,7 @@ from archive import Run, Store, StoreError
 if TYPE_CHECKING:
     from runtime.task import Task
 
-__all__ = ["ID_PATTERN", "EliteNotFound", "ServeError", "ServedRun", "candidate", "open_run", "open_store"]
+__all__ = ["ID_PATTERN", "EliteNotFound", "ServeError", "ServedRun", "candidate", "open_served", "open_store"]
 
 
 class ServeError(ValueError):
@@ -33,7 +33,7 @@ ID_PATTERN = re.compile(r"^[0-9a-fA-F]{1,64}$")  # a candidate id or prefix: hex
 
 
 @contextmanager
-def open_run(run_dir: Path) -> Iterator[Run]:
+def open_served(run_dir: Path) -> Iterator[Run]:
     """The run, read-only (one per call: sqlite connections stay in their thread)."""
     try:
         run = Run.open(run_dir)
@@ -46,7 +46,7 @@ def open_run(run_dir: Path) -> Iterator[Run]:
 @contextmanager
 def open_store(run_dir: Path) -> Iterator[Store]:
     """The run's store, read-only."""
-    with open_run(run_dir) as run:
+    with open_served(run_dir) as run:
         yield run.store
 
 

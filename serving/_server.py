@@ -16,7 +16,7 @@ from pathlib import Path
 
 from archive import FactoryDir, is_run, run_db
 from serving._runner import ServeError
-from serving._served_run import ServedRun, open_run
+from serving._served_run import ServedRun, open_served
 from serving._state import Limits
 
 __all__ = ["serve"]
@@ -64,7 +64,7 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
     run_dir = Path(run_dir)
     if not is_run(run_dir):
         raise ServeError(f"no run in {run_dir} (expected {run_db(run_dir)}): give the directory of an evo run")
-    with open_run(run_dir) as run:  # once: what is served, checked before the port is taken
+    with open_served(run_dir) as run:  # once: what is served, checked before the port is taken
         served = ServedRun.read(run, elite)
     api_key = None
     if api_key_env:
