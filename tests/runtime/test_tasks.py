@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -79,8 +81,10 @@ def test_seeds_are_correct(task: Task, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("task", "count"), [(Matmul(), 20), (Softmax(), 16)], ids=["matmul", "softmax"])
 def test_random_template_points_are_correct(task: Task, count: int, tmp_path: Path) -> None:
-    for genome in random_points(task, count, seed=7):
-        assert_correct(task, compile_kernel(task, genome, tmp_path), np.random.default_rng(2))
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # the compiler dominates: one per core
+        kernels = list(pool.map(lambda g: compile_kernel(task, g, tmp_path), random_points(task, count, seed=7)))
+    for fn in kernels:
+        assert_correct(task, fn, np.random.default_rng(2))
 
 
 @pytest.mark.parametrize("cls", [Matmul, Softmax], ids=["matmul", "softmax"])

@@ -260,8 +260,10 @@ def test_processes_that_spin_neither_slow_the_reference_nor_outlive_their_engine
             time.sleep(0.05)
         assert not _spinners()
     assert honest.status is cheat.status is again.status is Status.OK, (cheat.error, again.error)
-    base = honest.metrics["ref_throughput"]
-    assert cheat.metrics["ref_throughput"] > 0.75 * base and again.metrics["ref_throughput"] > 0.75 * base
+    # Stopped spinners cost the reference nothing; running, they would leave it a third to a half of its core.
+    # A short window counts few requests, so an honest figure can come out a third low: 0.6 of the best.
+    refs = {name: r.metrics["ref_throughput"] for name, r in [("honest", honest), ("cheat", cheat), ("again", again)]}
+    assert min(refs.values()) > 0.6 * max(refs.values()), refs
 
 
 def test_a_load_never_sends_the_same_text_twice():

@@ -36,7 +36,7 @@ def test_engine_search_runs_and_its_elite_loads_back(tmp_path, model, sentences)
     fast = {"timing": {"max_seconds": 0.1, "max_repeats": 10}, "check_trials": 1}
     ln_cfg = write(tmp_path, "ln", {
         "task": {"name": "layernorm", "args": {"rows": 256, "cols": 384}},
-        "evaluation": fast, "search": {"workers": 1, "initial_random": 1},
+        "evaluation": fast, "search": {"workers": 1, "initial_random": 1, "confirm": {"repeats": 0}},
         "budget": {"max_evals": 3}, "archive": {"descriptors": ["vector_width"], "bins": 4},
     })
     proc = evo("run", str(ln_cfg), "--run-dir", str(tmp_path / "ln"), cwd=tmp_path)
@@ -51,7 +51,7 @@ def test_engine_search_runs_and_its_elite_loads_back(tmp_path, model, sentences)
         "space": {"params": {  # the genome in YAML; the task adds kernel_layernorm (its elites are read at start)
             "max_batch": {"type": "pow2", "low": 1, "high": 16}, "max_wait_ms": [0, 1], "bucketing": ["split", "queue"],
             "workers": {"type": "int", "low": 1, "high": 2}, "worker_kind": ["thread", "process"]}},
-        "search": {"workers": 1, "initial_random": 2},
+        "search": {"workers": 1, "initial_random": 2, "confirm": {"repeats": 1}},
         "budget": {"max_evals": 4},
         "archive": {"descriptors": ["p99_ms", "memory_mb"], "bins": [3, 3], "ranges": [[0, 5000], [0, 2048]]},
     })
