@@ -139,6 +139,7 @@ class CandidateHost:
         self.round_trip_s = 0.0
         self.ready_cpu_ns = 0  # its CPU when its library was loaded: what it ran before is its constructors'
         self.in_calls_ns = 0  # CPU it used inside the requests that called its kernel
+        self.requests = 0  # requests it answered (binds, buffers, calls): each wakes it up outside its calls
 
     # --- buffers --------------------------------------------------------------------------------------
 
@@ -171,6 +172,7 @@ class CandidateHost:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # the host cannot shrink it under the worker (SIGBUS)
             mm = mmap.mmap(fd, nbytes)
             buf_id = len(self._arenas) + 1
+            self.requests += 1
             try:
                 self._sock.send(b"M")  # the next message carries the arena's descriptor
                 socket.send_fds(self._sock, [_MAP.pack(buf_id, nbytes)], [fd])
@@ -211,6 +213,7 @@ class CandidateHost:
         """Runs the kernel once per handle, in turn, in one request. Returns the seconds all took by this
         process's clock less one calibrated round trip, and the CPU nanoseconds the host used meanwhile."""
         msg = b"K" + b"".join(_ID.pack(h) for h in handles)
+        self.requests += 1
         cpu = self.cpu_ns
         c0 = cpu()
         t0 = time.perf_counter_ns()
@@ -319,6 +322,7 @@ class CandidateHost:
         return answer
 
     def _request(self, msg: bytes) -> bytes:
+        self.requests += 1
         self.send(msg)
         return self.receive()
 

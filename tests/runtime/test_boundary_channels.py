@@ -140,8 +140,10 @@ def test_a_kernel_cannot_stretch_the_round_trip_its_timings_subtract(workdir, po
     cheat = run(pool, _matmul(workdir, STRETCHES_ROUND_TRIPS + kernel), timeout=120)
     assert honest.status is Status.OK, honest.error
     if cheat.status is Status.OK:  # else it was caught using the CPU outside its calls
+        # The stall (200 us) would enter the round trip that every request's time is reduced by. Its fitness is
+        # no witness: a naive call lasts about a millisecond, so the stall would lift it 1.25x, and one naive
+        # figure drifts up to 2x between evaluations on this kind of shared core.
         assert cheat.metrics["round_trip_s"] < 1e-4, cheat.metrics["round_trip_s"]
-        assert cheat.fitness < 1.6 * honest.fitness, (cheat.fitness, honest.fitness)
     else:
         assert cheat.status is Status.INVALID, cheat
 
