@@ -117,12 +117,14 @@ def test_a_factory_spreads_its_searches_over_the_cluster(cluster, tmp_path):
                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     fac = tmp_path / "fac"
+    events = [json.loads(line) for line in (fac / "events.jsonl").read_text().splitlines()]
+    planned = {e["task"]: e["evals"] for e in events if e["event"] == "planned"}  # split by the profile's shares
     spans = {}
     for task in ("gelu", "layernorm"):
         with sqlite3.connect(fac / "runs" / task / "archive.db") as db:
             got = db.execute("SELECT status, metrics, created_at, evaluated_at FROM candidates").fetchall()
         done = [(m, t) for status, m, _, t in got if status != "pending"]
-        assert len(done) == 2 and all(json.loads(m).get("node") for m, _ in done), got
+        assert len(done) == planned[task] >= 2 and all(json.loads(m).get("node") for m, _ in done), (planned, got)
         spans[task] = (min(c for _, _, c, _ in got), max(t for _, t in done))  # its first proposal, last result
     (a0, a1), (b0, b1) = spans.values()
     assert a0 < b1 and b0 < a1, spans  # started at once (the cluster's slots then serve them as they free up)
