@@ -94,7 +94,7 @@ def killed_and_resumed_factory(tmp: Path, probe: Probe) -> Path:
     """A one-round factory on a small random BERT, killed with -9 (the factory alone) once its first kernel
     search is done and its engine search is running alongside the second, then resumed. Its memory holds the
     probing GELU (:func:`plant_probe`), and a key sits in its environment."""
-    cfg = tiny_factory(tmp, budget={"engine_evals": 6, "engine_after_kernels": 3})  # room for every offer
+    cfg = tiny_factory(tmp, budget={"engine_evals": 8, "engine_after_kernels": 5})  # room for every offer
     (tmp / "factory.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "EVOFORGE_MEMORY_DIR": str(tmp / "memory"), "OPENAI_API_KEY": SECRET, SECRET_ENV: SECRET}
     plant_probe(tmp, probe, env)

@@ -48,9 +48,10 @@ def test_a_probing_kernel_sees_no_key_socket_writable_file_root_or_unfiltered_pr
     assert status == "ok"  # the search's best, proposed by the model endpoint
     assert [c[1] for c in _candidates(factory / "runs" / "gelu") if c[0] == probe_id] == ["ok"], \
         "the factory's gelu search was not seeded with it from the memory"
-    engines = [c[0] for c in _candidates(factory / "runs" / "engine-r1")
-               if c[1] == "ok" and probe_id.startswith(str(c[2].get("kernel_gelu")))]
-    assert engines, "the factory's engine search tried no engine with it"
+    holding = [(c[0], c[1]) for c in _candidates(factory / "runs" / "engine-r1")
+               if probe_id.startswith(str(c[2].get("kernel_gelu")))]
+    engines = [cid for cid, status in holding if status == "ok"]
+    assert engines, f"the factory's engine search tried no engine with it: {holding}"
     engine = {"run_dir": str(factory / "runs" / "engine-r1"), "elite": engines[0]}
 
     fac = Path(shutil.copytree(factory, tmp_path / "fac"))  # measured and served from a copy: the fixture is shared
