@@ -1,0 +1,166 @@
+"""Reading a GGUF file: its metadata, the model's shapes and hyperparameters, and weights dequantised to fp32.
+
+A GGUF file is llama.cpp's format: a header of typed key-value metadata (the model's hyperparameters
+under ``{architecture}.*``, the tokenizer under ``tokenizer.*``) and tensors, each in its own type (F32,
+F16, BF16 or a block quantisation such as Q4_0, Q8_0, Q4_K, Q6_K). The ``gguf`` package reads both;
+every type its ``gguf.quants`` dequantises loads here. Tensor shapes in the file list the fastest axis
+first (ggml's ``ne``), the reverse of numpy's: a linear layer's weight is ``[in, out]`` there and
+``[out, in]`` here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ARCHITECTURES", "DecoderConfig", "GGUFFile", "GGUFLoadError", "read_config"]
+
+ARCHITECTURES = ("llama", "qwen2")
+"""The ``general.architecture`` values the decoder runs: both are RMSNorm, RoPE, GQA and SwiGLU decoders
+(Qwen2 adds biases to the Q, K and V projections and stores Q and K unpermuted for the half-split RoPE)."""
+
+
+class GGUFLoadError(ValueError):
+    """A GGUF file the decoder cannot run; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """A decoder's shapes and hyperparameters, as the file's metadata states them."""
+
+    architecture: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    context: int  # the longest sequence (prompt and generated tokens) the model was trained for
+    eps: float  # RMSNorm's epsilon
+    rope_base: float
+    rope_dim: int  # the leading dimensions of each head that RoPE rotates (the whole head, as a rule)
+    rope_scale: float = 1.0  # linear RoPE scaling: positions are divided by it
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+class GGUFFile:
+    """An open GGUF file: :meth:`get` reads metadata, :meth:`tensor` a weight dequantised to fp32 ``[out, in]``.
+
+    Raises :class:`GGUFLoadError` for a path that is missing or not a GGUF file. Opening parses the whole
+    header (for a 49k-token vocabulary, a few seconds: the ``gguf`` reader builds one array per token).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise GGUFLoadError(f"{self.path}: no such file")
+        try:
+            self._reader = GGUFReader(self.path)
+        except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, KeyError or struct errors
+            raise GGUFLoadError(f"{self.path} is not a GGUF file the gguf reader can open ({exc})") from None
+        self._tensors = {t.name: t for t in self._reader.tensors}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The metadata value of ``key`` (a Python scalar, string or list), ``default`` where it is absent."""
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        """The metadata value of ``key``; a :class:`GGUFLoadError` naming the key where it is absent."""
+        value = self.get(key)
+        if value is None:
+            raise GGUFLoadError(f"{self.path}: the metadata has no {key!r}; the decoder needs it to run this model")
+        return value
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def check_types(self) -> None:
+        """Raises :class:`GGUFLoadError` naming the first tensor whose type cannot be dequantised (probing one row
+        of each, so that a file fails before any weight is read in full)."""
+        from gguf.quants import dequantize
+
+        for t in self._tensors.values():
+            try:
+                dequantize(t.data[:1], t.tensor_type)
+            except NotImplementedError:
+                raise self._unreadable(t.name, t.tensor_type.name) from None
+
+    def _unreadable(self, name: str, type_name: str) -> GGUFLoadError:
+        return GGUFLoadError(f"{self.path}: tensor {name} is of type {type_name}, which the gguf package cannot "
+                             "dequantise; convert the model to a type it reads (F16, Q8_0, Q4_K...)")  # fmt: skip
+
+    def tensor(self, name: str, expect: tuple[int, ...] | None = None) -> np.ndarray:
+        """The tensor ``name`` dequantised to a C-contiguous fp32 array in numpy's axis order (checked to have the
+        shape ``expect`` where given)."""
+        from gguf.quants import dequantize
+
+        t = self._tensors.get(name)
+        if t is None:
+            raise GGUFLoadError(f"{self.path} has no tensor {name!r}: not a complete "
+                                f"{self.get('general.architecture')} model")  # fmt: skip
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise self._unreadable(name, t.tensor_type.name) from None
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        if expect is not None and shape != expect:
+            raise GGUFLoadError(f"{self.path}: tensor {name} is {list(shape)}, where the metadata implies "
+                                f"{list(expect)}")  # fmt: skip
+        return np.ascontiguousarray(w.reshape(shape), dtype=np.float32)
+
+
+def read_config(f: GGUFFile) -> DecoderConfig:
+    """The decoder's shapes from the metadata of ``f``; a :class:`GGUFLoadError` for a model it cannot run."""
+    arch = f.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFLoadError(f"{f.path}: architecture {arch!r}; the decoder runs {', '.join(ARCHITECTURES)} models")
+    if f.get(f"{arch}.expert_count", 0):
+        raise GGUFLoadError(f"{f.path}: a mixture-of-experts {arch} model; the decoder runs dense models only")
+
+    def key(name: str) -> int:
+        value = f.require(f"{arch}.{name}")
+        if not isinstance(value, int) or value <= 0:
+            raise GGUFLoadError(f"{f.path}: {arch}.{name} is {value!r}, not a positive integer")
+        return value
+
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    kv_heads = f.get(f"{arch}.attention.head_count_kv", heads)
+    head_dim = f.get(f"{arch}.attention.key_length", hidden // heads)
+    if heads % kv_heads:
+        raise GGUFLoadError(f"{f.path}: {heads} attention heads do not share {kv_heads} key-value heads evenly")
+    if f.get(f"{arch}.attention.value_length", head_dim) != head_dim:
+        raise GGUFLoadError(f"{f.path}: keys and values of different widths; the decoder needs them equal")
+    rope_dim = f.get(f"{arch}.rope.dimension_count", head_dim)
+    if rope_dim % 2 or rope_dim > head_dim or (arch == "qwen2" and rope_dim != head_dim):
+        raise GGUFLoadError(f"{f.path}: RoPE over {rope_dim} of {head_dim} head dimensions is not supported")
+    scaling = f.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise GGUFLoadError(f"{f.path}: RoPE scaling {scaling!r}; the decoder runs none or linear scaling")
+    scale = float(f.get(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+    tokens = f.get("tokenizer.ggml.tokens")
+    vocab = f.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0)
+    if not vocab:
+        raise GGUFLoadError(f"{f.path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens states the vocabulary")
+    return DecoderConfig(
+        architecture=arch, hidden=hidden, layers=key("block_count"), heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, intermediate=key("feed_forward_length"), vocab=vocab, context=key("context_length"),
+        eps=float(f.require(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_base=float(f.get(f"{arch}.rope.freq_base", 10000.0)), rope_dim=rope_dim, rope_scale=scale,
+    )  # fmt: skip

@@ -1,0 +1,101 @@
+"""The decoder's operators as slots: the forward pass calls each through :class:`DecoderOps`.
+
+Each slot has one calling convention, so an evolved kernel can replace its numpy default later, as the
+encoder's slots (:mod:`runtime.engine.ops`) are filled. Every implementation returns a new array (or one
+it owns) and leaves its inputs alone. All arithmetic is fp32.
+
+- ``linear(x [T, in], w [in, out], b [out] | None) -> [T, out]``: every projection (fused QKV, attention
+  output, fused gate and up, down).
+- ``rmsnorm(x [T, H], g [H], eps) -> [T, H]``: ``x / sqrt(mean(x^2) + eps) * g``.
+- ``rope(x [T, heads, d], cos [T, r/2], sin [T, r/2]) -> [T, heads, d]``: rotates the pairs ``(x[2i], x[2i+1])``
+  of each head's first ``r`` dimensions by angle ``i`` (llama.cpp's layout of Q and K in a GGUF file).
+- ``attention(q [t, heads, d], k [kv_heads, L, d], v [kv_heads, L, d], start) -> [t, heads, d]``: scaled dot
+  product attention of ``t`` queries at positions ``start..start+t-1`` over ``L = start + t`` cached keys,
+  causal; query head ``h`` reads key-value head ``h // (heads / kv_heads)`` (grouped-query attention).
+- ``swiglu(gu [T, 2I]) -> [T, I]``: ``silu(gate) * up`` of the fused projection (gate first).
+- ``lm_head(x [T, H], w [vocab, H]) -> [T, vocab]``: the logits, ``x @ w.T`` (``w`` is the embedding matrix
+  where the model ties them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["DECODER_SLOTS", "DecoderOps", "np_attention", "np_linear", "np_lm_head", "np_rmsnorm", "np_rope",
+           "np_swiglu"]  # fmt: skip
+
+DECODER_SLOTS = ("linear", "rmsnorm", "rope", "attention", "swiglu", "lm_head")
+"""The decoder's operator slots."""
+
+
+def np_linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    out = x @ w
+    if b is not None:
+        out += b
+    return out
+
+
+def np_rmsnorm(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    ms = np.einsum("ij,ij->i", x, x)[:, None] / np.float32(x.shape[-1])
+    out = x / np.sqrt(ms + np.float32(eps))
+    out *= g
+    return out
+
+
+def np_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    out = x.copy()
+    r = 2 * cos.shape[-1]
+    even, odd = x[..., 0:r:2], x[..., 1:r:2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out[..., 0:r:2] = even * c - odd * s
+    out[..., 1:r:2] = even * s + odd * c
+    return out
+
+
+def np_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    t, heads, d = q.shape
+    kv_heads, length, _ = k.shape
+    group = heads // kv_heads
+    # [heads, t, d] -> [kv_heads, group * t, d]: the query heads that share a key-value head, stacked
+    qg = q.transpose(1, 0, 2).reshape(kv_heads, group * t, d)
+    scores = qg @ k.transpose(0, 2, 1)  # [kv_heads, group * t, L]
+    scores *= np.float32(1.0 / np.sqrt(d))
+    if t > 1:  # a single query (a decode step) sees every cached key
+        future = np.arange(length)[None, :] > start + np.arange(t)[:, None]  # [t, L]
+        scores.reshape(kv_heads, group, t, length)[:, :, future] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = scores @ v  # [kv_heads, group * t, d]
+    return out.reshape(heads, t, d).transpose(1, 0, 2)
+
+
+def np_swiglu(gu: np.ndarray) -> np.ndarray:
+    half = gu.shape[-1] // 2
+    gate, up = gu[:, :half], gu[:, half:]
+    out = np.negative(gate)
+    with np.errstate(over="ignore"):  # exp(-gate) overflows to inf for a very negative gate: silu is then -0
+        np.exp(out, out=out)
+    out += 1.0
+    np.divide(gate, out, out=out)  # silu(gate) = gate / (1 + exp(-gate))
+    out *= up
+    return out
+
+
+def np_lm_head(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return x @ w.T
+
+
+@dataclass
+class DecoderOps:
+    """The operator table a decoder's forward pass calls (numpy defaults; see the module for the conventions)."""
+
+    linear: Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray] = np_linear
+    rmsnorm: Callable[[np.ndarray, np.ndarray, float], np.ndarray] = np_rmsnorm
+    rope: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] = np_rope
+    attention: Callable[[np.ndarray, np.ndarray, np.ndarray, int], np.ndarray] = np_attention
+    swiglu: Callable[[np.ndarray], np.ndarray] = np_swiglu
+    lm_head: Callable[[np.ndarray, np.ndarray], np.ndarray] = np_lm_head

@@ -1,0 +1,70 @@
+"""Choosing the next token from the logits: greedy, or sampled with temperature, top-k and top-p.
+
+The sampled path applies, in this order, the temperature (logits divided by it), top-k (only the ``k``
+likeliest tokens stay), top-p (only the likeliest tokens whose probabilities sum to at least ``p`` stay,
+at least one), then draws from the softmax of what is left with the request's own
+``numpy.random.Generator``, so a seeded request draws the same tokens whatever else runs beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["SamplingParams", "sample"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How one request generates: ``temperature`` 0 is greedy (``top_k``, ``top_p`` and ``seed`` then unused);
+    ``top_k`` 0 keeps every token; generation ends at ``max_tokens``, at the model's end token, or where the
+    text reaches one of the ``stop`` strings (which the returned text leaves out)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # one stop string given bare
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens is {self.max_tokens}: ask for at least 1 token")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature is {self.temperature}: use 0 (greedy) or a positive number")
+        if self.top_k < 0:
+            raise ValueError(f"top_k is {self.top_k}: use 0 (every token) or a positive count")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p is {self.top_p}: use a probability in (0, 1]")
+        if any(not s for s in self.stop):
+            raise ValueError("an empty stop string: every stop string needs at least one character")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def rng(self) -> np.random.Generator:
+        """A fresh generator for one request (seeded where ``seed`` is set)."""
+        return np.random.default_rng(self.seed)
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The next token id from ``logits`` ``[vocab]`` under ``params``."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / params.temperature
+    ids = np.arange(z.size)
+    if 0 < params.top_k < z.size:
+        ids = np.argpartition(z, -params.top_k)[-params.top_k :]
+    p = np.exp(z[ids] - z[ids].max())
+    p /= p.sum()
+    if params.top_p < 1:
+        order = np.argsort(-p, kind="stable")  # likeliest first
+        ids, p = ids[order], p[order]
+        keep = min(int(np.searchsorted(np.cumsum(p), params.top_p)) + 1, len(ids))  # the smallest head reaching it
+        ids, p = ids[:keep], p[:keep] / p[:keep].sum()
+    return int(ids[min(int(np.searchsorted(np.cumsum(p), rng.random(), side="right")), len(ids) - 1)])

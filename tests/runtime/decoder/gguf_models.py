@@ -1,0 +1,133 @@
+"""Small random-weight Llama and Qwen2 decoders, built with transformers and written as GGUF files here (nothing
+is downloaded), with a byte-level BPE tokenizer trained on the test corpus."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, with BOS first and a role check, to exercise the template's variables and raise_exception
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m['role']) }}"
+    "{% endif %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    tokens: list[str]
+    merges: list[str]
+    types: list[int]
+
+
+def train_vocabulary(lines: list[str], size: int = 384) -> Vocabulary:
+    """A byte-level BPE of ``size`` tokens (the three ChatML specials first, as control tokens) learned on ``lines``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(lines, trainer)
+    model = json.loads(tok.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return Vocabulary(tokens, merges, [3 if t in SPECIALS else 1 for t in tokens])
+
+
+def make_hf_model(arch: str, vocab: int, *, tied: bool, seed: int = 0):
+    """A random transformers decoder (hidden 64, 2 layers, 4 heads sharing 2 key-value heads), its weights drawn
+    wide enough that the logits of different tokens are far apart (greedy choices are not near ties)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                 tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**shape, rope_theta=10000.0))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, rope_theta=1000000.0, use_sliding_window=False))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.25 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's reordering of a Llama Q or K weight's rows for its RoPE (pairs made adjacent)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path: Path, model, vocab: Vocabulary | None, *, arch: str, qtype: str = "F32",
+               tokenizer: bool = True, add_bos: bool = False, architecture: str | None = None) -> Path:  # fmt: skip
+    """Writes ``model`` (a transformers Llama or Qwen2) as llama.cpp's converter would: its hyperparameters, the
+    tokenizer (unless ``tokenizer`` is false), the weights (matrices in ``qtype``, norms and biases in F32)."""
+    import gguf
+    from gguf.quants import quantize
+
+    cfg = model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    w = gguf.GGUFWriter(str(path), architecture or arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_rope_dimension_count(cfg.hidden_size // heads)
+    if tokenizer and vocab is not None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt2")
+        w.add_token_list(vocab.tokens)
+        w.add_token_types(vocab.types)
+        w.add_token_merges(vocab.merges)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(add_bos)
+        w.add_chat_template(CHAT_TEMPLATE)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}  # fmt: skip
+    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                 "mlp.down_proj.weight": "ffn_down.weight",
+                 "self_attn.o_proj.weight": "attn_output.weight"}  # fmt: skip
+    for proj, short in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v")):
+        per_layer[f"self_attn.{proj}.weight"] = f"{short}.weight"
+        per_layer[f"self_attn.{proj}.bias"] = f"{short}.bias"
+    state = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for key, value in state.items():
+        if key.startswith("model.layers."):
+            _, _, i, rest = key.split(".", 3)
+            name = f"blk.{i}.{per_layer[rest]}"
+        else:
+            name = names[key]
+        if arch == "llama" and ".attn_q." in name:
+            value = _permute(value, heads)
+        elif arch == "llama" and ".attn_k." in name:
+            value = _permute(value, kv_heads)
+        if value.ndim == 2 and qtype != "F32":
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, quantize(value, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(value))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
