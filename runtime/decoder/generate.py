@@ -125,5 +125,5 @@ class Decoder:
             if hits:
                 s.text, s.finish = s.text[: min(hits)], "stop"
                 return
-        if len(s.generated) >= s.params.max_tokens or s.cache.length + 1 > self.model.config.context:
+        if len(s.generated) >= s.params.max_tokens or len(s.prompt) + len(s.generated) >= self.model.config.context:
             s.finish = "length"

@@ -91,6 +91,11 @@ class GGUFFile:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape of tensor ``name`` in numpy's axis order (``None`` where the file has no such tensor)."""
+        t = self._tensors.get(name)
+        return None if t is None else tuple(int(n) for n in reversed(t.shape.tolist()))
+
     def check_types(self) -> None:
         """Raises :class:`GGUFLoadError` naming the first tensor whose type cannot be dequantised (probing one row
         of each, so that a file fails before any weight is read in full)."""
@@ -119,7 +124,8 @@ class GGUFFile:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             raise self._unreadable(name, t.tensor_type.name) from None
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        shape = self.shape(name)
+        assert shape is not None
         if expect is not None and shape != expect:
             raise GGUFLoadError(f"{self.path}: tensor {name} is {list(shape)}, where the metadata implies "
                                 f"{list(expect)}")  # fmt: skip
@@ -154,13 +160,14 @@ def read_config(f: GGUFFile) -> DecoderConfig:
     if scaling not in ("none", "linear"):
         raise GGUFLoadError(f"{f.path}: RoPE scaling {scaling!r}; the decoder runs none or linear scaling")
     scale = float(f.get(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
-    tokens = f.get("tokenizer.ggml.tokens")
-    vocab = f.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0)
-    if not vocab:
-        raise GGUFLoadError(f"{f.path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens states the vocabulary")
+    embed = f.shape("token_embd.weight")
+    if embed is None or len(embed) != 2 or embed[1] != hidden:
+        raise GGUFLoadError(
+            f"{f.path}: token_embd.weight is {embed}, not [vocab, {hidden}]: not a complete {arch} model"
+        )
     return DecoderConfig(
         architecture=arch, hidden=hidden, layers=key("block_count"), heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, intermediate=key("feed_forward_length"), vocab=vocab, context=key("context_length"),
+        head_dim=head_dim, intermediate=key("feed_forward_length"), vocab=embed[0], context=key("context_length"),
         eps=float(f.require(f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_base=float(f.get(f"{arch}.rope.freq_base", 10000.0)), rope_dim=rope_dim, rope_scale=scale,
     )  # fmt: skip

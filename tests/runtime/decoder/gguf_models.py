@@ -123,7 +123,11 @@ def write_gguf(path: Path, model, vocab: Vocabulary | None, *, arch: str, qtype:
             value = _permute(value, kv_heads)
         if value.ndim == 2 and qtype != "F32":
             kind = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(name, quantize(value, kind), raw_dtype=kind)
+            try:
+                data = quantize(value, kind)
+            except NotImplementedError:  # a type gguf cannot write: blocks of zero bytes, a file it cannot read
+                data = np.zeros(gguf.quants.quant_shape_to_byte_shape(value.shape, kind), np.uint8)
+            w.add_tensor(name, data, raw_dtype=kind)
         else:
             w.add_tensor(name, np.ascontiguousarray(value))
     w.write_header_to_file()
