@@ -21,6 +21,8 @@ from _servers import HttpServer, ServerFailed  # noqa: E402
 
 from runtime.engine import closed_loop  # noqa: E402
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 
 def test_length_sorted_batches_longest_first_and_answers_in_order() -> None:
     texts = ["a" * n for n in (3, 40, 7, 12, 1, 25, 9)]

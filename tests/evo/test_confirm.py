@@ -16,6 +16,8 @@ from evo.confirm import confirmed_result, outranks, ranked
 from evo.progress import SilentReporter
 from runtime.result import EvalResult, Status
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 
 def _ok(fitness: float, **metrics) -> EvalResult:
     return EvalResult(status=Status.OK, fitness=fitness, unit="GFLOP/s", metrics=metrics)

@@ -14,6 +14,8 @@ import yaml
 from evo.duel import settle, wants_duel
 from runtime.result import EvalResult, Status
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 
 def _ok(fitness: float, **metrics) -> EvalResult:
     return EvalResult(status=Status.OK, fitness=fitness, unit="GFLOP/s", metrics=metrics)

@@ -32,7 +32,7 @@ from evo.progress import SilentReporter
 from evo.rundir import create_run, frozen_config, open_run
 from evo.search import Search
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]  # it measures time
 HERE = Path(__file__).parent
 
 

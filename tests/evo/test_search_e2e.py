@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]  # it measures time
 
 
 def small_config(tmp_path: Path, *, max_evals: int, n: int = 192, seed: int = 0, **budget) -> Path:

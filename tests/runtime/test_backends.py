@@ -23,6 +23,8 @@ from runtime.executors import EvalRequest, LocalPool
 from runtime.result import Status
 from runtime.task import BUILTIN_TASKS
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 ROOT = Path(__file__).resolve().parents[2]
 TOY = TaskSpec(name="toy_backend:ToyTask")
 

@@ -22,6 +22,8 @@ from runtime.result import EvalResult, Status
 from runtime.sandbox.filters import filter_available
 from runtime.settings import TaskSpec
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 MATMUL = TaskSpec(name="matmul", args={"m": 96, "n": 96, "k": 96})
 
 

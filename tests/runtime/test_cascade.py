@@ -13,6 +13,8 @@ from runtime.cascade import evaluate
 from runtime.result import Status
 from runtime.task import load_task_class
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 
 @pytest.fixture(scope="module")
 def task(workdir):

@@ -27,6 +27,8 @@ from runtime.result import Status
 from runtime.settings import TaskSpec
 from runtime.task import load_task_class
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 SPEC = TaskSpec(name="matmul", args={"m": 128, "n": 128, "k": 128})
 PRELUDE = "#include <stdlib.h>\n#include <string.h>\n"
 

@@ -17,7 +17,8 @@ from runtime.tasks.linear_f32 import LinearF32, pack_f32, unpack_f32
 from runtime.tasks.linear_int8 import LinearInt8, int8_linear_reference, pack_int8
 from runtime.tasks.linear_int8_avx2 import LinearInt8Avx2
 
-pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="this CPU has no AVX2 and FMA")
+pytestmark = [pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="this CPU has no AVX2 and FMA"),
+              pytest.mark.exclusive]  # it measures time
 
 TASKS = [LinearInt8Avx2(), LinearF32()]
 IDS = ["int8_avx2", "f32"]

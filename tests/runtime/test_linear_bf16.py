@@ -23,6 +23,8 @@ from runtime.tasks.linear_bf16 import (
 )
 from runtime.toolchain import CKernel, compile_source, load_kernel
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 HAS_AMX = "amx_bf16" in Path("/proc/cpuinfo").read_text()
 AVX512 = {"ISA": "AVX512", "KU": 1, "AMX_MT": 1, "AMX_NT": 1, "AMX_PANEL": 32}
 AMX = {"ISA": "AMX", "MR": 4, "NR": 2, "KU": 1}

@@ -17,6 +17,8 @@ from runtime.tasks.linear_bf16 import MINILM_SHAPES
 from runtime.tasks.linear_int8 import LinearInt8, int8_linear_reference, pack_int8, quantize_rows, unpack_int8
 from runtime.toolchain import CKernel, compile_source, load_kernel
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 HAS_AMX = "amx_int8" in Path("/proc/cpuinfo").read_text()
 VNNI = {"ISA": "VNNI", "KU": 1, "AMX_MT": 1, "AMX_NT": 1, "PANEL": 32}
 AMX = {"ISA": "AMX", "MR": 4, "NR": 2, "KU": 1}

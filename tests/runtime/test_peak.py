@@ -17,6 +17,8 @@ from runtime.result import Status
 from runtime.settings import EvalSettings
 from runtime.task import load_task_class
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 
 def test_the_measured_peak_is_above_what_blas_reaches_and_the_same_twice(workdir):
     cache = os.path.join(workdir, "cache")

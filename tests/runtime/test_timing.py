@@ -14,6 +14,8 @@ from runtime.result import TimingStats
 from runtime.settings import TimingSettings
 from runtime.timing import TimingLock, pinned, relative_uncertainty, time_interleaved
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 
 def test_timing_stats_math():
     s = TimingStats.of([4.0, 1.0, 3.0, 2.0])

@@ -23,6 +23,8 @@ from runtime.result import Status
 from runtime.sandbox.filters import filter_available
 from runtime.settings import TaskSpec
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 MATMUL = TaskSpec(name="matmul", args={"m": 128, "n": 128, "k": 128})
 
 # Tries every door out of its process once, on its first call (after its library is loaded, so under the

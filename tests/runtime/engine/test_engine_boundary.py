@@ -24,6 +24,8 @@ from runtime.result import EvalResult, Status
 from runtime.sandbox.filters import filter_available
 from runtime.settings import EvalSettings, TaskSpec
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 SIGNATURE = ("void kernel(int rows, int cols, float eps, const float *x, const float *gamma, const float *beta, "
              "float *y)")
 LAYERNORM = r"""

@@ -18,8 +18,10 @@ from runtime.settings import EvalSettings, TaskSpec
 from runtime.task import load_task_class
 from runtime.timing import TimingLock
 
+pytestmark = pytest.mark.exclusive  # it measures time
+
 TINY = {"threads": 2, "concurrency": 3, "duration_s": 0.4, "warmup_s": 0.1, "texts": 16, "lengths": {10: 1.0},
-        "precisions": ["fp32", "int8"]}
+        "precisions": ["fp32", "int8"], "p99_budget_ms": 10000}
 
 
 @pytest.fixture(scope="module")
