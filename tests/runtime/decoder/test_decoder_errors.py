@@ -9,6 +9,9 @@ from gguf_models import make_hf_model, write_gguf
 
 from runtime.decoder import GGUFLoadError, load_decoder
 
+# the tiny decoders are built once per worker: their tests share one
+pytestmark = pytest.mark.xdist_group("decoder-tiny")
+
 
 def _fails(path: Path, match: str) -> str:
     with pytest.raises(GGUFLoadError, match=match) as info:

@@ -11,6 +11,9 @@ import pytest
 
 from runtime.decoder import ContextFull, DecoderOps, SamplingParams
 
+# the tiny decoders are built once per worker: their tests share one
+pytestmark = pytest.mark.xdist_group("decoder-tiny")
+
 
 def _close(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.abs(a - b).max() < 1e-4 * np.abs(b).max())

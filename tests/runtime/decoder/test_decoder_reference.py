@@ -7,6 +7,9 @@ import pytest
 
 from runtime.decoder import ChatTemplateError, DecoderOps
 
+# the tiny decoders are built once per worker: their tests share one
+pytestmark = pytest.mark.xdist_group("decoder-tiny")
+
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "What is the capital of France?",

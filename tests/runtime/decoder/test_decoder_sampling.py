@@ -7,6 +7,9 @@ import pytest
 
 from runtime.decoder import SamplingParams, sample
 
+# the tiny decoders are built once per worker: their tests share one
+pytestmark = pytest.mark.xdist_group("decoder-tiny")
+
 LOGITS = np.log(np.array([0.05, 0.5, 0.15, 0.3], np.float32))  # probabilities 0.5, 0.3, 0.15, 0.05: ids 1, 3, 2, 0
 
 
