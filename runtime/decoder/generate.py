@@ -19,6 +19,7 @@ import numpy as np
 from runtime.decoder.model import ContextFull, DecoderModel, KVCache, load_decoder
 from runtime.decoder.ops import DecoderOps
 from runtime.decoder.sampling import SamplingParams, sample
+from runtime.decoder.tokenizer import Tokenizer
 
 __all__ = ["Completion", "Decoder", "FinishReason", "Prompt"]
 
@@ -63,7 +64,7 @@ class Decoder:
         return cls(load_decoder(path), ops=ops)
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.model.tokenizer
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
