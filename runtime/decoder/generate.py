@@ -10,20 +10,20 @@ in a batch as alone.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from runtime.decoder.model import ContextFull, DecoderModel, KVCache, load_decoder
 from runtime.decoder.ops import DecoderOps
 from runtime.decoder.sampling import SamplingParams, sample
+from runtime.decoder.stream import FinishReason, TextStream
 from runtime.decoder.tokenizer import Tokenizer
 
-__all__ = ["Completion", "Decoder", "FinishReason", "Prompt"]
+__all__ = ["Completion", "Decoder", "FinishReason", "Prompt", "check_prompt"]
 
-FinishReason = Literal["stop", "length"]
 Prompt = str | Sequence[Mapping[str, Any]]
 """A text prompt (tokenized as it is, BOS first where the model adds one) or chat messages (rendered by the
 model's chat template, with the assistant's turn opened)."""
@@ -40,15 +40,22 @@ class Completion:
     finish_reason: FinishReason
 
 
+def check_prompt(ids: Sequence[int], context: int) -> None:
+    """Raises ``ValueError`` for a prompt of no tokens, :class:`ContextFull` for one that leaves no room to
+    generate in the ``context``."""
+    if not ids:
+        raise ValueError("the prompt has no tokens (and the model adds no BOS): give some text")
+    if len(ids) >= context:
+        raise ContextFull(f"the prompt's {len(ids)} tokens leave no room in the context of {context}")
+
+
 @dataclass
 class _Sequence:
     prompt: list[int]
     params: SamplingParams
     rng: np.random.Generator
     cache: KVCache
-    generated: list[int] = field(default_factory=list)
-    text: str = ""
-    finish: FinishReason | None = None
+    stream: TextStream
 
 
 class Decoder:
@@ -92,39 +99,20 @@ class Decoder:
         seqs = []
         for prompt, p in zip(prompts, params, strict=True):
             ids = self.encode_prompt(prompt)
-            if not ids:
-                raise ValueError("the prompt has no tokens (and the model adds no BOS): give some text")
-            if len(ids) >= context:
-                raise ContextFull(f"the prompt's {len(ids)} tokens leave no room in the context of {context}")
-            seqs.append(_Sequence(ids, p, p.rng(), self.model.new_cache(len(ids) + min(p.max_tokens, 256))))
+            check_prompt(ids, context)
+            stream = TextStream(self.tokenizer, p, prompt_tokens=len(ids), context=context)
+            seqs.append(_Sequence(ids, p, p.rng(), self.model.new_cache(len(ids) + min(p.max_tokens, 256)), stream))
         if not seqs:
             return []
         logits = self.model.forward([s.prompt for s in seqs], [s.cache for s in seqs], self.ops)
         active = seqs
         while True:
             for s, row in zip(active, logits, strict=True):
-                self._advance(s, sample(row, s.params, s.rng))
-            active = [s for s in active if s.finish is None]
+                s.stream.push(sample(row, s.params, s.rng))
+            active = [s for s in active if s.stream.finish is None]
             if not active:
                 break
-            logits = self.model.forward([[s.generated[-1]] for s in active], [s.cache for s in active], self.ops)
-        return [Completion(text=s.text, token_ids=s.generated, prompt_tokens=len(s.prompt),
-                           finish_reason=s.finish or "length") for s in seqs]  # fmt: skip
-
-    def _advance(self, s: _Sequence, token: int) -> None:
-        """Appends ``token`` to ``s`` and decides whether ``s`` has finished."""
-        if token in self.tokenizer.end_ids:
-            s.finish = "stop"
-            return
-        s.generated.append(token)
-        previous = len(s.text)
-        s.text = self.tokenizer.decode(s.generated)
-        if s.params.stop:
-            # a stop string ends in the new text; it may begin up to its length before it
-            start = max(0, previous - max(len(x) for x in s.params.stop))
-            hits = [i for i in (s.text.find(x, start) for x in s.params.stop) if i >= 0]
-            if hits:
-                s.text, s.finish = s.text[: min(hits)], "stop"
-                return
-        if len(s.generated) >= s.params.max_tokens or len(s.prompt) + len(s.generated) >= self.model.config.context:
-            s.finish = "length"
+            logits = self.model.forward([[s.stream.generated[-1]] for s in active], [s.cache for s in active],
+                                        self.ops)  # fmt: skip
+        return [Completion(text=s.stream.text, token_ids=s.stream.generated, prompt_tokens=len(s.prompt),
+                           finish_reason=s.stream.finish or "length") for s in seqs]  # fmt: skip
