@@ -1,4 +1,5 @@
-"""``evo serve``: host a run's engine elite over HTTP (the ``serve`` extra; see :mod:`serving`)."""
+"""``evo serve``: host a run's engine elite, or a GGUF chat model, over HTTP (the ``serve`` extra; see
+:mod:`serving`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ __all__ = ["serve"]
 @click.argument("run_dir", type=click.Path(path_type=Path), required=False)
 @click.option("--follow", "follow", metavar="FACTORY_DIR", type=click.Path(path_type=Path),
               help="serve what the factory in FACTORY_DIR promotes, swapping to each new promotion (no RUN_DIR)")
+@click.option("--gguf", "gguf", metavar="FILE", type=click.Path(path_type=Path),
+              help="serve the chat model of a GGUF file on the decoder engine: /v1/chat/completions and "
+              "/v1/completions (no RUN_DIR)")
 @click.option("--elite", default="best", show_default=True,
               help="engine elite id (or unique prefix), 'best', or 'default' (the default engine configuration)")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to bind (loopback by default)")
@@ -30,28 +34,57 @@ __all__ = ["serve"]
               help="texts run through an engine before it serves (at start-up and on a switch)")
 @click.option("--body-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="seconds a request's body may take to arrive; a slower one gets 408 and its connection closed")
-def serve(run_dir: Path | None, follow: Path | None, elite: str, host: str, port: int, api_key_env: str | None,
-          max_in_flight: int, drain_timeout: float, warmup: int, body_timeout: float) -> None:
+@click.option("--kv-cache-mb", default=2048, show_default=True, type=click.IntRange(min=1),
+              help="--gguf: KV cache the running requests may hold together (each holds its prompt plus max_tokens)")
+@click.option("--max-waiting", default=64, show_default=True, type=click.IntRange(min=0),
+              help="--gguf: requests that wait for KV cache; more get 429")
+@click.option("--step-tokens", default=256, show_default=True, type=click.IntRange(min=1),
+              help="--gguf: tokens one engine step runs (a token of each decoding request, then prompt chunks)")
+@click.pass_context
+def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: Path | None, elite: str, host: str,
+          port: int, api_key_env: str | None, max_in_flight: int, drain_timeout: float, warmup: int,
+          body_timeout: float, kv_cache_mb: int, max_waiting: int, step_tokens: int) -> None:
     """Serve RUN_DIR's engine elite: OpenAI-compatible /v1/embeddings, archive queries, kernel invocation,
     /health, /ready, /metrics. A run that is not an engine run (or has no ok engine candidate) is served
     with the default engine configuration, and says so. SIGTERM drains in-flight requests, then exits 0.
-    With --follow FACTORY_DIR, serves the factory's latest promotion and swaps to each new one."""
+    With --follow FACTORY_DIR, serves the factory's latest promotion and swaps to each new one. With
+    --gguf FILE, serves that chat model: /v1/chat/completions and /v1/completions, continuously batched."""
     try:
-        from serving import Limits, ServeError
+        from serving import Limits, ServeError, serve_gguf
         from serving import serve as run_server
     except ImportError as exc:
         raise UserError(f"evo serve needs the serve extra ({exc.name} is missing): "
                         "pip install -c constraints.txt -e '.[serve,engine]'") from None
-    if (run_dir is None) == (follow is None):
-        raise UserError("give either RUN_DIR or --follow FACTORY_DIR (see evo serve --help)")
+    if sum(x is not None for x in (run_dir, follow, gguf)) != 1:
+        raise UserError("give one of RUN_DIR, --follow FACTORY_DIR or --gguf FILE (see evo serve --help)")
+    _refuse_unused(ctx, ("elite", "max_in_flight", "warmup") if gguf else ("kv_cache_mb", "max_waiting",
+                                                                          "step_tokens"))  # fmt: skip
     from evo.unfiltered import warn_if_unfiltered
 
     warn_if_unfiltered()
+    limits = Limits(max_in_flight=max_in_flight, body_timeout_s=body_timeout)
     try:
-        code = run_server(run_dir, follow=follow, elite=elite, host=host, port=port, api_key_env=api_key_env,
-                          limits=Limits(max_in_flight=max_in_flight, body_timeout_s=body_timeout),
-                          drain_timeout=drain_timeout,
-                          warmup=warmup)
+        if gguf is not None:
+            from runtime.decoder import SchedulerConfig
+
+            code = serve_gguf(gguf, host=host, port=port, api_key_env=api_key_env, limits=limits,
+                              scheduler=SchedulerConfig(kv_budget_bytes=kv_cache_mb << 20, max_waiting=max_waiting,
+                                                        step_tokens=step_tokens),
+                              drain_timeout=drain_timeout)  # fmt: skip
+        else:
+            code = run_server(run_dir, follow=follow, elite=elite, host=host, port=port, api_key_env=api_key_env,
+                              limits=limits, drain_timeout=drain_timeout, warmup=warmup)  # fmt: skip
     except ServeError as exc:
         raise UserError(str(exc)) from None
     sys.exit(code)
+
+
+def _refuse_unused(ctx: click.Context, names: tuple[str, ...]) -> None:
+    """Options given that do not apply to what is served are refused, not ignored."""
+    from click.core import ParameterSource
+
+    given = [f"--{n.replace('_', '-')}" for n in names if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
+    if given and ctx.params.get("gguf") is not None:
+        raise UserError(f"{', '.join(given)} does not apply to a chat model (--gguf): drop it")
+    if given:
+        raise UserError(f"{', '.join(given)} applies to --gguf only: drop it, or serve a GGUF file")

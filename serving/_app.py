@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -12,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp
 
 from serving import _archive_api, _embeddings
 from serving._embeddings import model_ids
 from serving._errors import APIError, BodyLimit, errors, install_error_handlers
+from serving._http import admin_auth, ops_router, user_auth
 from serving._kernels import KernelInvoker
 from serving._metrics import Metrics, RequestCounter
 from serving._openapi import install_openapi
@@ -32,35 +31,6 @@ __all__ = ["create_app"]
 log = logging.getLogger("serving")
 
 
-def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-def _check_key(state: State, request: Request) -> None:
-    token = _bearer(request)
-    if token is None or not hmac.compare_digest(token.encode(), (state.api_key or "").encode()):
-        raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key",
-                       headers={"www-authenticate": "Bearer"})
-
-
-def user_auth(request: Request) -> None:
-    """``/v1/*``: the key is required only when one is configured."""
-    state: State = request.app.state.serving
-    if state.api_key is not None:
-        _check_key(state, request)
-
-
-def admin_auth(request: Request) -> None:
-    """``/admin/*``: always needs the key; refused outright when none is configured."""
-    state: State = request.app.state.serving
-    if state.api_key is None:
-        raise APIError(403, "admin is disabled: start evo serve with --api-key-env NAME to enable it",
-                       code="admin_disabled")
-    _check_key(state, request)
-
-
 class SwitchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -71,11 +41,6 @@ class SwitchRequest(BaseModel):
 def _routes(app: FastAPI) -> None:
     swap_lock = asyncio.Lock()
 
-    @app.get("/health", tags=["ops"])
-    async def health() -> dict[str, str]:
-        """Alive (answers even while the engine loads or works)."""
-        return {"status": "ok"}
-
     @app.get("/ready", tags=["ops"], responses=errors(503))
     async def ready(request: Request) -> Any:
         """200 once the engine is loaded and warmed, 503 before."""
@@ -85,11 +50,6 @@ def _routes(app: FastAPI) -> None:
             msg = f"loading failed: {state.load_error}" if state.load_error else "the engine is loading"
             return APIError(503, msg, code="not_ready").response()
         return {"status": "ready", "elite": runner.served.elite, "serving": runner.served.note}
-
-    @app.get("/metrics", tags=["ops"], response_class=Response)
-    async def metrics(request: Request) -> Response:
-        """Prometheus text format."""
-        return Response(request.app.state.serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/admin/elite", tags=["admin"], dependencies=[Depends(admin_auth)],
               responses=errors(400, 401, 403, 404, 409, 413))
@@ -154,6 +114,7 @@ def create_app(run: str | Path | ServedRun, *, elite: str = "best", api_key: str
                               "kernel invocation, health and Prometheus metrics.")
     app.state.serving = state
     install_error_handlers(app)
+    app.include_router(ops_router)
     _routes(app)
     app.include_router(_embeddings.router, dependencies=[Depends(user_auth)])
     app.include_router(_archive_api.router, dependencies=[Depends(user_auth)])

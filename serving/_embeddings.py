@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from serving._errors import APIError, errors
+from serving._http import hung_up
 from serving._runner import BatchInfo
 from serving._state import State
 
@@ -94,14 +95,6 @@ def _awaitable(fut: Future[Any]) -> asyncio.Future[Any]:
     return out
 
 
-async def _hung_up(request: Request) -> None:
-    """Returns once the client has gone away. The body is read by now, so the next message is the disconnect;
-    waiting for it (rather than peeking once) keeps the server reading the socket, so a hang-up is seen
-    while the texts are tokenised."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 @router.post("/v1/embeddings", tags=["embeddings"], responses=errors(400, 401, 404, 413, 429, 503))
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     """Embeds the input texts (pooled and normalised as the served model does) through the engine's batcher."""
@@ -118,7 +111,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         raise APIError(429, f"{state.in_flight} requests in flight (the cap): retry later", code="overloaded")
     state.in_flight += 1
     state.metrics.in_flight.inc()
-    gone = asyncio.create_task(_hung_up(request))
+    gone = asyncio.create_task(hung_up(request))
     try:
         seqs = await asyncio.to_thread(runner.engine.model.tokenizer.encode_batch, texts)
         t_tok = time.perf_counter()

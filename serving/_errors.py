@@ -52,7 +52,8 @@ class ErrorResponse(BaseModel):
 
 
 _MEANINGS = {
-    400: "the request is malformed or breaks a rule of this endpoint (`error.param` names the field)",
+    400: "the request is malformed or breaks a rule of this endpoint (`error.param` names the field), e.g. a "
+         "prompt longer than the model's context",
     401: "the API key is missing or wrong (send `Authorization: Bearer KEY`)",
     403: "admin is disabled: the server was started without an API key",
     404: "no such model, candidate or elite",
@@ -60,7 +61,7 @@ _MEANINGS = {
     413: "the request body is larger than the server accepts",
     422: "the kernel ran and failed on these inputs",
     429: "overloaded: too many requests in flight, or the engine's queue is full; retry later",
-    503: "the engine is still loading (or failed to load: see /ready)",
+    503: "the engine is still loading (or failed to load: see /ready), or the server is shutting down",
     504: "the kernel did not answer in time",
 }
 

@@ -1,21 +1,27 @@
-"""Prometheus metrics of one app (its own registry): requests by route and status, and the engine's
-queue, tokenisation, inference, batch size, tokens per batch and queue depth."""
+"""Prometheus metrics of one app (its own registry): requests by route and status, refusals, and the engine's
+own: the encoder's queue, tokenisation, inference, batch size, tokens per batch and queue depth; or the
+chat model's time to first token, inter-token latency, output tokens, KV cache use and requests running
+and waiting."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["Metrics", "RequestCounter"]
+if TYPE_CHECKING:
+    from runtime.decoder import Scheduler
+
+__all__ = ["ChatMetrics", "HTTPMetrics", "Metrics", "RequestCounter"]
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-class Metrics:
-    """The app's collectors; ``render()`` is the text exposition format."""
+class HTTPMetrics:
+    """Every app's collectors (requests, latency, refusals); ``render()`` is the text exposition format."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -23,6 +29,19 @@ class Metrics:
                                 ["route", "method", "status"], registry=r)
         self.latency = Histogram("evoforge_request_seconds", "request latency by route", ["route"],
                                  buckets=_SECONDS, registry=r)
+        self.rejected = Counter("evoforge_rejected", "requests refused or dropped, by reason", ["reason"],
+                                registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class Metrics(HTTPMetrics):
+    """The encoder app's collectors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
         self.queue = Histogram("evoforge_queue_seconds", "time a text waited for its batch", buckets=_SECONDS,
                                registry=r)
         self.tokenize = Histogram("evoforge_tokenize_seconds", "tokenisation time of a request", buckets=_SECONDS,
@@ -35,20 +54,43 @@ class Metrics:
                                       registry=r)
         self.queue_depth = Gauge("evoforge_queue_depth", "texts queued in the engine's batcher", registry=r)
         self.in_flight = Gauge("evoforge_in_flight_requests", "embeddings requests being served", registry=r)
-        self.rejected = Counter("evoforge_rejected", "requests refused or dropped, by reason", ["reason"],
-                                registry=r)
 
     def watch_queue(self, depth: Callable[[], float]) -> None:
         self.queue_depth.set_function(depth)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+
+class ChatMetrics(HTTPMetrics):
+    """The chat model app's collectors; the gauges read the engine's scheduler when scraped."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        super().__init__()
+        r, s = self.registry, scheduler
+        self.ttft = Histogram("evoforge_chat_time_to_first_token_seconds", "from a request's arrival to its first "
+                              "token", buckets=_SECONDS + (30.0, 60.0), registry=r)  # fmt: skip
+        self.inter_token = Histogram("evoforge_chat_inter_token_seconds", "between one request's successive tokens",
+                                     buckets=_SECONDS, registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("evoforge_chat_prompt_tokens", "prompt tokens of the requests accepted",
+                                     registry=r)  # fmt: skip
+        self.output_tokens = Counter("evoforge_chat_output_tokens", "tokens generated", registry=r)
+        self.output_tokens.inc(0)
+        gauges = {
+            "evoforge_chat_output_tokens_per_second": ("tokens generated per second over the last 10 s",
+                                                       s.tokens_per_second),
+            "evoforge_chat_kv_cache_bytes": ("KV cache held by the running requests", lambda: s.kv_used_bytes),
+            "evoforge_chat_kv_cache_budget_bytes": ("the KV cache budget", lambda: s.config.kv_budget_bytes),
+            "evoforge_chat_kv_cache_usage_ratio": ("KV cache held over its budget",
+                                                   lambda: s.kv_used_bytes / s.config.kv_budget_bytes),
+            "evoforge_chat_running_requests": ("requests in the running batch", lambda: s.running),
+            "evoforge_chat_waiting_requests": ("requests waiting for KV cache", lambda: s.waiting),
+        }  # fmt: skip
+        for name, (doc, read) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(read)
 
 
 class RequestCounter:
     """ASGI middleware counting every HTTP request by its route template (not its raw path) and status."""
 
-    def __init__(self, app: ASGIApp, *, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, *, metrics: HTTPMetrics) -> None:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

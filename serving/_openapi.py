@@ -27,15 +27,18 @@ _UNSTATED = (
 )
 
 
-def install_openapi(app: FastAPI, limits: Limits, *, keyed: bool, model_ids: tuple[str, ...]) -> None:
-    """Makes ``app.openapi()`` return the corrected document (built once)."""
+def install_openapi(app: FastAPI, limits: Limits, *, keyed: bool, model_ids: tuple[str, ...],
+                    unstated: str = _UNSTATED) -> None:  # fmt: skip
+    """Makes ``app.openapi()`` return the corrected document (built once); ``unstated`` says in words what no
+    schema states."""
 
     def build() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description + _UNSTATED,
+            schema = get_openapi(title=app.title, version=app.version, description=app.description + unstated,
                                  routes=app.routes)  # fmt: skip
             _drop_validation_422(schema)
-            _state_limits(schema, limits, model_ids)
+            _state_models(schema, model_ids)
+            _state_limits(schema, limits)
             _security(schema, keyed)
             app.openapi_schema = schema
         return app.openapi_schema
@@ -57,11 +60,19 @@ def _drop_validation_422(schema: dict[str, Any]) -> None:
     components.pop("ValidationError", None)
 
 
-def _state_limits(schema: dict[str, Any], limits: Limits, model_ids: tuple[str, ...]) -> None:
-    props = schema["components"]["schemas"]["EmbeddingRequest"]["properties"]
-    for alt in props["model"].get("anyOf", []):  # others answer OpenAI's 404 model_not_found, not a 400
-        if alt.get("type") == "string":
-            alt["enum"] = list(model_ids)
+def _state_models(schema: dict[str, Any], model_ids: tuple[str, ...]) -> None:
+    """Every request's ``model`` lists the served ids (others answer OpenAI's 404 model_not_found, not a 400)."""
+    for body in schema.get("components", {}).get("schemas", {}).values():
+        for alt in body.get("properties", {}).get("model", {}).get("anyOf", []):
+            if alt.get("type") == "string":
+                alt["enum"] = list(model_ids)
+
+
+def _state_limits(schema: dict[str, Any], limits: Limits) -> None:
+    body = schema["components"]["schemas"].get("EmbeddingRequest")
+    if body is None:  # an app without the embeddings route
+        return
+    props = body["properties"]
     for alt in props["input"].get("anyOf", []):
         if alt.get("type") == "string":
             alt["maxLength"] = limits.max_chars

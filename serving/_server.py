@@ -1,4 +1,5 @@
-"""``evo serve``: check what to serve, then run the app on uvicorn until SIGTERM or Ctrl-C.
+"""``evo serve``: check what to serve (a run's engine, or a GGUF chat model), then run the app on uvicorn until
+SIGTERM or Ctrl-C.
 
 On SIGTERM the server stops accepting connections, finishes the requests in flight (up to
 ``drain_timeout`` seconds, well above the worst-case batch time), drains the engine's queue and
@@ -13,13 +14,19 @@ import os
 import signal
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from archive import FactoryDir, is_run, run_db
 from serving._runner import ServeError
 from serving._served_run import ServedRun, open_served
 from serving._state import Limits
 
-__all__ = ["serve"]
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
+
+    from runtime.decoder import SchedulerConfig
+
+__all__ = ["serve", "serve_gguf"]
 
 log = logging.getLogger("serving")
 
@@ -46,8 +53,6 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
 
     Raises :class:`ServeError` for what the user can fix (no run, unknown elite, missing key, busy port).
     """
-    import uvicorn
-
     from serving._app import create_app
 
     if follow is not None:
@@ -66,21 +71,65 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
         raise ServeError(f"no run in {run_dir} (expected {run_db(run_dir)}): give the directory of an evo run")
     with open_served(run_dir) as run:  # once: what is served, checked before the port is taken
         served = ServedRun.read(run, elite)
-    api_key = None
-    if api_key_env:
-        api_key = os.environ.get(api_key_env) or None
-        if api_key is None:
-            raise ServeError(f"--api-key-env {api_key_env}: the variable is unset or empty "
-                             "(export it, or drop the flag)")
+    api_key = _api_key(api_key_env)
     _check_port(host, port)
+    _log_start(served.note, host, port, api_key)
+    app = create_app(served, elite=elite, api_key=api_key, limits=limits, warmup=warmup,
+                     follow=Path(follow) if follow is not None else None)
+    return _run(app, host, port, drain_timeout)
+
+
+def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key_env: str | None = None,
+               limits: Limits | None = None, scheduler: SchedulerConfig | None = None,
+               drain_timeout: float = 30.0) -> int:  # fmt: skip
+    """Serves the chat model of the GGUF file ``path`` on the decoder engine until a signal; returns the exit code.
+
+    Raises :class:`ServeError` for what the user can fix (a file the decoder cannot load, missing key, busy
+    port). The model loads before the port is taken.
+    """
+    try:
+        from runtime.decoder import ChatTemplateError, Decoder, GGUFLoadError
+    except ImportError as exc:
+        raise ServeError(f"serving a GGUF file needs the decoder extra ({exc.name} is missing): "
+                         "pip install -c constraints.txt -e '.[serve,decoder]'") from None  # fmt: skip
+    from serving._chat_app import create_chat_app
+
+    path = Path(path)
+    api_key = _api_key(api_key_env)
+    _check_port(host, port)
+    try:
+        decoder = Decoder.load(path)
+    except (GGUFLoadError, ChatTemplateError) as exc:
+        raise ServeError(f"--gguf: {exc}") from None
+    app = create_chat_app(decoder, model_ids=(path.stem, path.name), config=scheduler, api_key=api_key,
+                          limits=limits)  # fmt: skip
+    cfg = decoder.model.config
+    _log_start(f"{path.name} ({cfg.architecture}, {cfg.layers} layers, context {cfg.context})", host, port, api_key)
+    return _run(app, host, port, drain_timeout)
+
+
+def _api_key(api_key_env: str | None) -> str | None:
+    if not api_key_env:
+        return None
+    api_key = os.environ.get(api_key_env) or None
+    if api_key is None:
+        raise ServeError(f"--api-key-env {api_key_env}: the variable is unset or empty "
+                         "(export it, or drop the flag)")
+    return api_key
+
+
+def _log_start(what: str, host: str, port: int, api_key: str | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("serving %s on http://%s:%d (docs at /docs)", served.note, host, port)
+    log.info("serving %s on http://%s:%d (docs at /docs)", what, host, port)
     if api_key is None:
         log.info("no API key: /v1 is open and /admin is disabled (use --api-key-env NAME)")
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("listening on %s without an API key: anyone who reaches this port can use the API", host)
-    app = create_app(served, elite=elite, api_key=api_key, limits=limits, warmup=warmup,
-                     follow=Path(follow) if follow is not None else None)
+
+
+def _run(app: ASGIApp, host: str, port: int, drain_timeout: float) -> int:
+    import uvicorn
+
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain_timeout, log_level="info",
                             access_log=False, lifespan="on")
     server = uvicorn.Server(config)

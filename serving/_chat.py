@@ -1,0 +1,281 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI-compatible), streamed as server-sent events
+or whole, and ``GET /v1/models``, over the decoder's continuous-batching scheduler.
+
+A request is checked, tokenised (chat messages through the model's chat template) and submitted; its
+tokens come back through the scheduler's channel. A streamed request's client that goes away cancels its
+generation (its KV cache is freed); so does the client of a whole one that hangs up before the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from runtime.decoder import ChatTemplateError, ContextFull, DoesNotFit, QueueFull, SamplingParams, SchedulerClosed
+from serving._errors import APIError, errors
+from serving._http import hung_up
+
+if TYPE_CHECKING:
+    from runtime.decoder import Chunk, Generation, Prompt
+    from serving._chat_app import ChatState
+    from serving._metrics import ChatMetrics
+
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "router"]
+
+router = APIRouter(tags=["chat"])
+_STATUSES = (400, 401, 404, 413, 429, 503)
+_STREAMED = {"text/event-stream": {"schema": {"type": "string"},
+                                   "example": 'data: {"choices": [...]}\n\ndata: [DONE]\n\n'}}  # fmt: skip
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart] = Field(description="text, or text parts (joined)")
+    name: str | None = Field(None, description="accepted and not shown to the model")
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = Field(False, description="a last chunk (no choices) carries the usage")
+
+
+Stop = Annotated[str, Field(min_length=1)]
+
+
+class _GenerationRequest(BaseModel):
+    """What both routes take: OpenAI's sampling fields this server honours (others are refused, 400)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="the served model's id (GET /v1/models); default: it")
+    max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the context's "
+                                   "rest); the prompt and the completion share the model's context")  # fmt: skip
+    temperature: float = Field(1.0, ge=0, le=2, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, description="the same seed and request give the same tokens")
+    stop: Stop | Annotated[list[Stop], Field(max_length=4)] | None = Field(
+        None, description="up to 4 strings; the text ends before the first"
+    )
+    n: int = Field(1, description="choices per request: 1 only (400 otherwise)")
+    stream: bool = False
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    user: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1, description="rendered by the model's chat template")
+    max_completion_tokens: int | None = Field(None, ge=1, description="max_tokens' newer name")
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str = Field(min_length=1, description="one text prompt")
+    max_tokens: int | None = Field(16, ge=1, description="tokens to generate at most (OpenAI's default: 16)")
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class _Reply:
+    """One request's answer in OpenAI's shapes: whole, or chunk by chunk."""
+
+    chat: bool
+    model: str
+    prompt_tokens: int
+    include_usage: bool = False
+
+    def __post_init__(self) -> None:
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}  # fmt: skip
+
+    def whole(self, text: str, finish: str, completion_tokens: int) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": [choice], "usage": self.usage(completion_tokens)}
+
+    def chunk(self, text: str = "", finish: str | None = None, *, role: bool = False) -> str:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+    def usage_chunk(self, completion_tokens: int) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return _sse({**self._head(kind), "choices": [], "usage": self.usage(completion_tokens)})
+
+
+class _Clock:
+    """Observes a request's time to first token and its inter-token latencies, from the engine's stamps."""
+
+    def __init__(self, metrics: ChatMetrics, arrived: float) -> None:
+        self.metrics, self.last, self.first = metrics, arrived, True
+
+    def tick(self, chunk: Chunk) -> None:
+        (self.metrics.ttft if self.first else self.metrics.inter_token).observe(max(0.0, chunk.t - self.last))
+        self.metrics.output_tokens.inc()
+        self.first, self.last = False, chunk.t
+
+
+async def _events(gen: Generation, reply: _Reply, clock: _Clock) -> AsyncIterator[str]:
+    tokens = 0
+    try:
+        if reply.chat:
+            yield reply.chunk(role=True)
+        try:
+            async for chunk in gen:
+                clock.tick(chunk)
+                tokens = chunk.tokens
+                if chunk.text:
+                    yield reply.chunk(chunk.text)
+                if chunk.finish_reason is not None:
+                    yield reply.chunk(finish=chunk.finish_reason)
+        except RuntimeError as exc:  # the engine failed this generation: the status is sent already
+            yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+            return
+        if reply.include_usage:
+            yield reply.usage_chunk(tokens)
+        yield "data: [DONE]\n\n"
+    finally:
+        gen.cancel()  # a client gone mid-stream: its cache is freed (nothing to do once it has finished)
+
+
+async def _collect(gen: Generation, clock: _Clock) -> tuple[str, str, int]:
+    parts, finish, tokens = [], "length", 0
+    async for chunk in gen:
+        clock.tick(chunk)
+        parts.append(chunk.text)
+        finish, tokens = chunk.finish_reason or finish, chunk.tokens
+    return "".join(parts), finish, tokens
+
+
+async def _whole(request: Request, gen: Generation, reply: _Reply, clock: _Clock) -> Response:
+    gone = asyncio.create_task(hung_up(request))
+    work = asyncio.create_task(_collect(gen, clock))
+    try:
+        await asyncio.wait({gone, work}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # nobody waits for the answer: stop generating it
+            work.cancel()
+            return Response(status_code=499)
+        try:
+            text, finish, tokens = work.result()
+        except RuntimeError as exc:
+            raise APIError(500, str(exc), type="server_error") from None
+        return JSONResponse(reply.whole(text, finish, tokens))
+    finally:
+        gone.cancel()
+        gen.cancel()
+
+
+async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, max_tokens: int | None,
+                    *, chat: bool) -> Response:  # fmt: skip
+    state: ChatState = request.app.state.serving
+    arrived = time.perf_counter()
+    where = "messages" if chat else "prompt"
+    if body.model is not None and body.model not in state.model_ids:
+        raise APIError(404, f"model {body.model!r} is not served (GET /v1/models)", param="model",
+                       code="model_not_found")  # fmt: skip
+    if body.n != 1:
+        raise APIError(400, f"n is {body.n}: this server generates one choice per request (n=1)", param="n")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    decoder = state.scheduler.decoder
+    try:
+        ids = await asyncio.to_thread(decoder.encode_prompt, prompt)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param=where) from None
+    context = decoder.model.config.context
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    try:
+        params = SamplingParams(max_tokens=max_tokens or max(1, context - len(ids)), temperature=body.temperature,
+                                top_p=body.top_p, seed=body.seed, stop=tuple(stop))  # fmt: skip
+        gen = state.scheduler.submit(ids, params)
+    except ContextFull as exc:
+        raise APIError(400, f"{exc}: shorten the prompt", param=where, code="context_length_exceeded") from None
+    except DoesNotFit as exc:
+        raise APIError(400, str(exc), param="max_tokens", code="kv_cache_budget_exceeded") from None
+    except QueueFull as exc:
+        state.metrics.rejected.labels("queue_full").inc()
+        raise APIError(429, str(exc), code="queue_full") from None
+    except SchedulerClosed as exc:
+        raise APIError(503, str(exc), code="shutting_down") from None
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=where) from None
+    state.metrics.prompt_tokens.inc(len(ids))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    reply = _Reply(chat, body.model or state.model_ids[0], len(ids), include_usage)
+    clock = _Clock(state.metrics, arrived)
+    if body.stream:
+        return StreamingResponse(_events(gen, reply, clock), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})  # fmt: skip
+    return await _whole(request, gen, reply, clock)
+
+
+@router.post("/v1/chat/completions", responses={200: {"content": _STREAMED}, **errors(*_STATUSES)})
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    """The assistant's reply to ``messages``: whole, or with ``stream: true`` as server-sent events (chunks, then
+    ``data: [DONE]``)."""
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    return await _generate(request, body, messages, body.max_completion_tokens or body.max_tokens, chat=True)
+
+
+@router.post("/v1/completions", responses={200: {"content": _STREAMED}, **errors(*_STATUSES)})
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    """The continuation of ``prompt`` (tokenised as it is): whole, or with ``stream: true`` as server-sent
+    events."""
+    return await _generate(request, body, body.prompt, body.max_tokens, chat=False)
+
+
+@router.get("/v1/models", responses=errors(401))
+async def models(request: Request) -> dict[str, Any]:
+    """The served model (aliases accepted as ``model`` are listed in ``aliases``)."""
+    state: ChatState = request.app.state.serving
+    cfg = state.scheduler.decoder.model.config
+    model = {
+        "id": state.model_ids[0],
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "evoforge",
+        "aliases": list(state.model_ids[1:]),
+        "context_length": cfg.context,
+        "architecture": cfg.architecture,
+    }
+    return {"object": "list", "data": [model]}
