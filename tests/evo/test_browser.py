@@ -90,9 +90,9 @@ def test_the_dashboard_logs_a_browser_in_and_follows_the_run(run, browser):
         added = add_best(run)
         t0 = time.monotonic()
         page.wait_for_function("id => document.querySelector('#summary').innerText.includes(id)",
-                               arg=added[:16], timeout=30_000)  # fmt: skip
+                               arg=added[:16], timeout=90_000)  # fmt: skip  (it redraws at a low priority)
         assert page.evaluate("document.body.dataset.marker") != before
-        assert time.monotonic() - t0 < 30
+        assert time.monotonic() - t0 < 90
         _plots_loaded(page, {"archive_fitness", "progress"})  # the figures drawn again, loaded
         assert page.locator("img.plot").count() >= 5
         context.close()
