@@ -34,7 +34,7 @@ __all__ = ["serve"]
               help="texts run through an engine before it serves (at start-up and on a switch)")
 @click.option("--body-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="seconds a request's body may take to arrive; a slower one gets 408 and its connection closed")
-@click.option("--kv-cache-mb", default=2048, show_default=True, type=click.IntRange(min=1),
+@click.option("--kv-cache-mb", default=2048.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="--gguf: KV cache the running requests may hold together (each holds its prompt plus max_tokens)")
 @click.option("--max-waiting", default=64, show_default=True, type=click.IntRange(min=0),
               help="--gguf: requests that wait for KV cache; more get 429")
@@ -43,7 +43,7 @@ __all__ = ["serve"]
 @click.pass_context
 def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: Path | None, elite: str, host: str,
           port: int, api_key_env: str | None, max_in_flight: int, drain_timeout: float, warmup: int,
-          body_timeout: float, kv_cache_mb: int, max_waiting: int, step_tokens: int) -> None:
+          body_timeout: float, kv_cache_mb: float, max_waiting: int, step_tokens: int) -> None:
     """Serve RUN_DIR's engine elite: OpenAI-compatible /v1/embeddings, archive queries, kernel invocation,
     /health, /ready, /metrics. A run that is not an engine run (or has no ok engine candidate) is served
     with the default engine configuration, and says so. SIGTERM drains in-flight requests, then exits 0.
@@ -67,9 +67,9 @@ def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: P
         if gguf is not None:
             from runtime.decoder import SchedulerConfig
 
-            code = serve_gguf(gguf, host=host, port=port, api_key_env=api_key_env, limits=limits,
-                              scheduler=SchedulerConfig(kv_budget_bytes=kv_cache_mb << 20, max_waiting=max_waiting,
-                                                        step_tokens=step_tokens),
+            budgets = SchedulerConfig(kv_budget_bytes=int(kv_cache_mb * 2**20), max_waiting=max_waiting,
+                                      step_tokens=step_tokens)  # fmt: skip
+            code = serve_gguf(gguf, host=host, port=port, api_key_env=api_key_env, limits=limits, scheduler=budgets,
                               drain_timeout=drain_timeout)  # fmt: skip
         else:
             code = run_server(run_dir, follow=follow, elite=elite, host=host, port=port, api_key_env=api_key_env,

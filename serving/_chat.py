@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -61,9 +61,6 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="a last chunk (no choices) carries the usage")
 
 
-Stop = Annotated[str, Field(min_length=1)]
-
-
 class _GenerationRequest(BaseModel):
     """What both routes take: OpenAI's sampling fields this server honours (others are refused, 400)."""
 
@@ -75,9 +72,7 @@ class _GenerationRequest(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2, description="0: greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0, description="the same seed and request give the same tokens")
-    stop: Stop | Annotated[list[Stop], Field(max_length=4)] | None = Field(
-        None, description="up to 4 strings; the text ends before the first"
-    )
+    stop: str | list[str] | None = Field(None, description="up to 4 strings; the text ends before the first")
     n: int = Field(1, description="choices per request: 1 only (400 otherwise)")
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
@@ -217,13 +212,16 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, 
         raise APIError(400, f"n is {body.n}: this server generates one choice per request (n=1)", param="n")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    if len(stop) > 4 or not all(stop):
+        raise APIError(400, f"stop has {len(stop)} strings{', one empty' if not all(stop) else ''}: give up to 4, "
+                       "each at least one character", param="stop")  # fmt: skip
     decoder = state.scheduler.decoder
     try:
         ids = await asyncio.to_thread(decoder.encode_prompt, prompt)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param=where) from None
     context = decoder.model.config.context
-    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     try:
         params = SamplingParams(max_tokens=max_tokens or max(1, context - len(ids)), temperature=body.temperature,
                                 top_p=body.top_p, seed=body.seed, stop=tuple(stop))  # fmt: skip

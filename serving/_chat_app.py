@@ -47,7 +47,7 @@ def create_chat_app(decoder: Decoder, *, model_ids: tuple[str, ...], config: Sch
     """The app serving ``decoder`` (loaded already) as ``model_ids[0]``; its engine thread starts here, and
     finishes every request it holds when the app shuts down."""
     limits = limits or Limits()
-    scheduler = Scheduler(decoder, config)
+    scheduler = Scheduler(decoder, config, on_step=lambda *step: metrics.observe_step(*step))
     metrics = ChatMetrics(scheduler)
     state = ChatState(scheduler, metrics, limits, api_key or None, model_ids)
 

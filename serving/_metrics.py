@@ -85,6 +85,17 @@ class ChatMetrics(HTTPMetrics):
         }  # fmt: skip
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(read)
+        self.step_size = Histogram("evoforge_chat_step_requests", "requests in one engine step (the running batch)",
+                                   buckets=[2**i for i in range(8)], registry=r)  # fmt: skip
+        self.step_tokens = Histogram("evoforge_chat_step_tokens", "tokens in one engine step",
+                                     buckets=[2**i for i in range(12)], registry=r)  # fmt: skip
+        self.step_seconds = Histogram("evoforge_chat_step_seconds", "run time of one engine step", buckets=_SECONDS,
+                                      registry=r)  # fmt: skip
+
+    def observe_step(self, requests: int, tokens: int, seconds: float) -> None:
+        self.step_size.observe(requests)
+        self.step_tokens.observe(tokens)
+        self.step_seconds.observe(seconds)
 
 
 class RequestCounter:

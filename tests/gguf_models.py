@@ -1,5 +1,7 @@
-"""Small random-weight Llama and Qwen2 decoders, built with transformers and written as GGUF files here (nothing
-is downloaded), with a byte-level BPE tokenizer trained on the test corpus."""
+"""Small random-weight Llama and Qwen2 decoders written as GGUF files here (nothing is downloaded), with a byte-level
+BPE tokenizer trained on the test corpus: built with transformers (to compare against it), or drawn in numpy
+alone (:func:`write_random_gguf`, for tests that need a model but not torch). Shared by the decoder's tests and
+the serving tests."""
 
 from __future__ import annotations
 
@@ -74,21 +76,92 @@ def write_gguf(path: Path, model, vocab: Vocabulary | None, *, arch: str, qtype:
                tokenizer: bool = True, add_bos: bool = False, architecture: str | None = None) -> Path:  # fmt: skip
     """Writes ``model`` (a transformers Llama or Qwen2) as llama.cpp's converter would: its hyperparameters, the
     tokenizer (unless ``tokenizer`` is false), the weights (matrices in ``qtype``, norms and biases in F32)."""
+    cfg = model.config
+    shape = Shape(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, layers=cfg.num_hidden_layers,
+                  heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                  context=cfg.max_position_embeddings, eps=cfg.rms_norm_eps,
+                  rope_theta=float(cfg.rope_parameters["rope_theta"]), tied=cfg.tie_word_embeddings)  # fmt: skip
+    state = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    return write_state(path, state, shape, vocab, arch=arch, qtype=qtype, tokenizer=tokenizer, add_bos=add_bos,
+                       architecture=architecture)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's hyperparameters, as a GGUF file states them (the defaults: the tiny models' shape)."""
+
+    hidden: int = 64
+    intermediate: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    context: int = 256
+    eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tied: bool = False
+
+
+def random_state(arch: str, vocab: int, shape: Shape, *, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights in transformers' names, drawn as :func:`make_hf_model` draws them, with numpy alone."""
+    rng = np.random.default_rng(seed)
+    h, d = shape.hidden, shape.hidden // shape.heads
+
+    def w(*dims: int) -> np.ndarray:
+        return (0.25 * rng.standard_normal(dims)).astype(np.float32)
+
+    def norm() -> np.ndarray:
+        return (1 + 0.2 * rng.standard_normal(h)).astype(np.float32)
+
+    state = {"model.embed_tokens.weight": w(vocab, h), "model.norm.weight": norm()}
+    if not shape.tied:
+        state["lm_head.weight"] = w(vocab, h)
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        state |= {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
+                  p + "self_attn.q_proj.weight": w(shape.heads * d, h),
+                  p + "self_attn.k_proj.weight": w(shape.kv_heads * d, h),
+                  p + "self_attn.v_proj.weight": w(shape.kv_heads * d, h),
+                  p + "self_attn.o_proj.weight": w(h, shape.heads * d),
+                  p + "mlp.gate_proj.weight": w(shape.intermediate, h),
+                  p + "mlp.up_proj.weight": w(shape.intermediate, h),
+                  p + "mlp.down_proj.weight": w(h, shape.intermediate)}  # fmt: skip
+        if arch == "qwen2":
+            state |= {p + "self_attn.q_proj.bias": w(shape.heads * d),
+                      p + "self_attn.k_proj.bias": w(shape.kv_heads * d),
+                      p + "self_attn.v_proj.bias": w(shape.kv_heads * d)}  # fmt: skip
+    return state
+
+
+def write_random_gguf(path: Path, vocab: Vocabulary, *, arch: str = "llama", shape: Shape | None = None,
+                      add_bos: bool = True, seed: int = 0) -> Path:  # fmt: skip
+    """A random ``arch`` decoder of ``shape`` with the tokenizer of ``vocab``, written to ``path`` (F32), no torch.
+    The special tokens' output rows are zero: their logit is 0 where the others spread wide, so a generation
+    never ends early by chance (it runs to ``max_tokens``, or to a stop string)."""
+    shape = shape or Shape(tied=False)
+    state = random_state(arch, len(vocab.tokens), shape, seed=seed)
+    head = state["model.embed_tokens.weight" if shape.tied else "lm_head.weight"]
+    head[[i for i, kind in enumerate(vocab.types) if kind == 3]] = 0
+    return write_state(path, state, shape, vocab, arch=arch, add_bos=add_bos)
+
+
+def write_state(path: Path, state: dict[str, np.ndarray], shape: Shape, vocab: Vocabulary | None, *, arch: str,
+                qtype: str = "F32", tokenizer: bool = True, add_bos: bool = False,
+                architecture: str | None = None) -> Path:  # fmt: skip
+    """Writes weights in transformers' names as llama.cpp's converter would (see :func:`write_gguf`)."""
     import gguf
     from gguf.quants import quantize
 
-    cfg = model.config
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    heads, kv_heads = shape.heads, shape.kv_heads
     w = gguf.GGUFWriter(str(path), architecture or arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_block_count(shape.layers)
+    w.add_feed_forward_length(shape.intermediate)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_rope_dimension_count(cfg.hidden_size // heads)
+    w.add_layer_norm_rms_eps(shape.eps)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_rope_dimension_count(shape.hidden // heads)
     if tokenizer and vocab is not None:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt2")
@@ -108,9 +181,8 @@ def write_gguf(path: Path, model, vocab: Vocabulary | None, *, arch: str, qtype:
     for proj, short in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v")):
         per_layer[f"self_attn.{proj}.weight"] = f"{short}.weight"
         per_layer[f"self_attn.{proj}.bias"] = f"{short}.bias"
-    state = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    if shape.tied:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     for key, value in state.items():
         if key.startswith("model.layers."):
             _, _, i, rest = key.split(".", 3)

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,10 +136,12 @@ class _Seq:
 
 
 class Scheduler:
-    """The engine thread of one :class:`Decoder`: :meth:`submit` a prompt's ids, read its :class:`Generation`."""
+    """The engine thread of one :class:`Decoder`: :meth:`submit` a prompt's ids, read its :class:`Generation`.
+    ``on_step(generations, tokens, seconds)`` is called after each step (e.g. to observe batch sizes)."""
 
-    def __init__(self, decoder: Decoder, config: SchedulerConfig | None = None) -> None:
-        self.decoder, self.config = decoder, config or SchedulerConfig()
+    def __init__(self, decoder: Decoder, config: SchedulerConfig | None = None, *,
+                 on_step: Callable[[int, int, float], None] | None = None) -> None:  # fmt: skip
+        self.decoder, self.config, self.on_step = decoder, config or SchedulerConfig(), on_step
         self.bytes_per_token = kv_bytes_per_token(decoder.model.config)
         self._cond = threading.Condition()
         self._waiting: deque[_Seq] = deque()
@@ -290,6 +292,7 @@ class Scheduler:
                             self._free(seq)
 
     def _step(self, batch: list[tuple[_Seq, list[int]]]) -> None:
+        t0 = time.perf_counter()
         caches = [s.cache for s, _ in batch]
         logits = self.decoder.model.forward([c for _, c in batch], caches, self.decoder.ops)  # type: ignore[misc]
         now = time.perf_counter()
@@ -312,3 +315,5 @@ class Scheduler:
             self._recent.append((now, sampled))
             while self._recent and self._recent[0][0] < now - 60.0:
                 self._recent.popleft()
+        if self.on_step is not None:
+            self.on_step(len(batch), sum(len(c) for _, c in batch), now - t0)

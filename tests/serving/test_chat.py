@@ -1,0 +1,283 @@
+"""`evo serve --gguf` end to end on a tiny random Llama (numpy-drawn, no torch): the official openai client, chat and
+completions, streamed and whole, against Decoder.generate; continuous batching; cancellation; limits and errors;
+the OpenAPI document; metrics; drain."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from gguf_models import Shape, train_vocabulary, write_random_gguf
+from serve_helpers import KEY, Server, start_server, stop
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("gguf")
+pytestmark = pytest.mark.xdist_group("chat-tiny")
+
+CONTEXT = 1024
+DATA = Path(__file__).resolve().parents[1] / "data"
+CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "system", "content": "You are terse."},
+          {"role": "user", "content": "the quick brown fox " * 6}]]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    lines = [s for s in (DATA / "sentences.txt").read_text(encoding="utf-8").splitlines() if s.strip()]
+    root = tmp_path_factory.mktemp("chat")
+    return write_random_gguf(root / "tiny-chat.gguf", train_vocabulary(lines), shape=Shape(context=CONTEXT))
+
+
+@pytest.fixture(scope="module")
+def decoder(tiny_gguf: Path):
+    from runtime.decoder import Decoder
+
+    return Decoder.load(tiny_gguf)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gguf: Path) -> Iterator[Server]:
+    srv = start_server(None, "--gguf", str(tiny_gguf), key=KEY)
+    yield srv
+    stop(srv)
+
+
+def _client(srv: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _metric(srv: Server, name: str) -> float:
+    text = srv.call("GET", "/metrics")[1]
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_openai_client_chat_and_completions_equal_the_decoder(server: Server, decoder) -> None:
+    client = _client(server)
+    for messages in CHATS:
+        want = decoder.generate(messages, max_tokens=12)
+        got = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=12, temperature=0)
+        assert got.choices[0].message.content == want.text and got.choices[0].finish_reason == "length"
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (want.prompt_tokens, 12)
+        assert got.usage.total_tokens == want.prompt_tokens + 12 and got.object == "chat.completion"
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny-chat",
+                messages=messages,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+        assert all(c.usage is None for c in chunks[:-1])
+    prompt = "The quick brown fox"
+    want = decoder.generate(prompt, max_tokens=20)
+    got = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=20, temperature=0)
+    assert got.choices[0].text == want.text and got.usage.prompt_tokens == want.prompt_tokens
+    streamed = list(client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=20, temperature=0,
+                                              stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == want.text
+    assert streamed[-1].choices[0].finish_reason == "length" and all(c.usage is None for c in streamed)
+    # a stop string ends the text before it, in a stream too; seeded sampling repeats itself
+    stop_at = want.text[len(want.text) // 2 :][:3]
+    cut = decoder.generate(prompt, max_tokens=20, stop=[stop_at])
+    for stream in (False, True):
+        got = client.completions.create(
+            model="tiny-chat", prompt=prompt, max_tokens=20, temperature=0, stop=stop_at, stream=stream
+        )
+        pieces = [c.choices[0] for c in got] if stream else got.choices
+        assert "".join(p.text for p in pieces) == cut.text and pieces[-1].finish_reason == "stop"
+    settings = dict(max_tokens=16, temperature=0.9, top_p=0.9, seed=5)
+    sampled = [
+        client.completions.create(model="tiny-chat", prompt=prompt, **settings).choices[0].text for _ in range(2)
+    ]
+    assert sampled[0] == sampled[1] == decoder.generate(prompt, **settings).text
+    assert client.models.list().data[0].id == "tiny-chat"
+
+
+def test_sixteen_concurrent_streams_each_get_their_tokens_alone(server: Server, decoder) -> None:
+    """16 greedy streams of different prompt lengths and lengths, started together: each one's text is the one
+    Decoder.generate gives it alone, and the engine ran them in batches."""
+    prompts = [[{"role": "user", "content": "tell me about the fox " * (1 + i % 7) + str(i)}] for i in range(16)]
+    lengths = [8 + 2 * i for i in range(16)]
+    alone = [decoder.generate(p, max_tokens=n).text for p, n in zip(prompts, lengths, strict=True)]
+    client, start = _client(server), threading.Barrier(16)
+    steps = _metric(server, "evoforge_chat_step_requests_count")
+    single = _metric(server, 'evoforge_chat_step_requests_bucket{le="1.0"}')
+
+    def stream(i: int) -> str:
+        start.wait()
+        chunks = client.chat.completions.create(
+            model="tiny-chat", messages=prompts[i], max_tokens=lengths[i], temperature=0, stream=True
+        )
+        return "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(stream, range(16)))
+    assert together == alone
+    ran = _metric(server, "evoforge_chat_step_requests_count") - steps
+    alone_steps = _metric(server, 'evoforge_chat_step_requests_bucket{le="1.0"}') - single
+    assert ran < sum(lengths) / 4 and alone_steps < ran / 2, (ran, alone_steps)  # the streams shared steps
+    assert _metric(server, 'evoforge_chat_step_requests_bucket{le="4.0"}') < _metric(
+        server, "evoforge_chat_step_requests_count"
+    )  # some step ran more than 4
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_cache(server: Server) -> None:
+    client = _client(server)
+    out_before = _metric(server, "evoforge_chat_output_tokens_total")
+    stream = client.completions.create(
+        model="tiny-chat", prompt="a long story", max_tokens=CONTEXT - 16, temperature=0, stream=True
+    )
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    assert _metric(server, "evoforge_chat_kv_cache_bytes") > 0  # held while it streams
+    stream.close()
+    deadline = time.time() + 10
+    while _metric(server, "evoforge_chat_kv_cache_bytes") > 0 and time.time() < deadline:
+        time.sleep(0.02)
+    assert _metric(server, "evoforge_chat_kv_cache_bytes") == 0
+    assert _metric(server, "evoforge_chat_running_requests") == 0
+    generated = _metric(server, "evoforge_chat_output_tokens_total") - out_before
+    assert generated < CONTEXT - 16, generated  # it stopped: the cache was freed by the cancel, not the end
+
+
+def test_a_prompt_past_the_context_is_400_naming_the_limit(server: Server) -> None:
+    long = "the quick brown fox " * CONTEXT
+    for path, body in (("/v1/completions", {"prompt": long}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]})):  # fmt: skip
+        status, got, _ = server.call("POST", path, body)
+        assert status == 400 and got["error"]["code"] == "context_length_exceeded", got
+        assert f"context of {CONTEXT}" in got["error"]["message"]
+        assert got["error"]["param"] == ("prompt" if "prompt" in body else "messages")
+
+
+CHAT = "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+BAD = [
+    ("n of 2", CHAT, {"messages": USER, "n": 2}, "n"),
+    ("temperature over 2", CHAT, {"messages": USER, "temperature": 2.5}, "temperature"),
+    ("top_p of 0", CHAT, {"messages": USER, "top_p": 0}, "top_p"),
+    ("max_tokens of 0", CHAT, {"messages": USER, "max_tokens": 0}, "max_tokens"),
+    ("negative seed", CHAT, {"messages": USER, "seed": -1}, "seed"),
+    ("five stop strings", CHAT, {"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("empty stop string", CHAT, {"messages": USER, "stop": ""}, "stop"),
+    ("no messages", CHAT, {"messages": []}, "messages"),
+    ("unknown role", CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ("unknown key", CHAT, {"messages": USER, "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("stream_options without stream", CHAT, {"messages": USER, "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ("token-id prompt", "/v1/completions", {"prompt": [1, 2, 3]}, "prompt"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, "prompt"),
+    ("no prompt", "/v1/completions", {"max_tokens": 3}, "prompt"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "path", "body", "param"), BAD, ids=[b[0] for b in BAD])
+def test_bad_parameters_are_400_in_the_error_body(server: Server, what, path, body, param) -> None:
+    status, got, _ = server.call("POST", path, body)
+    assert status == 400, got
+    assert set(got["error"]) == {"message", "type", "param", "code"} and got["error"]["message"]
+    assert got["error"]["param"] == param, got
+
+
+def test_malformed_bodies_unknown_models_and_keys(server: Server) -> None:
+    status, got, _ = server.call("POST", CHAT, raw=b'{"messages": [')
+    assert status == 400 and got["error"]["code"] == "invalid_json"
+    status, got, _ = server.call("POST", CHAT, {"messages": USER, "model": "gpt-9"})
+    assert status == 404 and got["error"]["code"] == "model_not_found"
+    assert server.call("POST", CHAT, {"messages": USER}, key=False)[0] == 401
+    assert server.call("POST", "/v1/completions", {"prompt": "hi"}, key="wrong")[0] == 401
+    assert server.call("GET", "/v1/models", key=False)[0] == 401
+    for path in ("/health", "/ready", "/metrics"):
+        assert server.call("GET", path, key=False)[0] == 200
+    status, got, _ = server.call("POST", CHAT, {"messages": USER, "max_tokens": 2, "model": "tiny-chat.gguf"})
+    assert status == 200 and got["model"] == "tiny-chat.gguf"  # an alias
+
+
+def test_the_document_lists_every_status_of_the_chat_routes(server: Server) -> None:
+    doc = server.call("GET", "/openapi.json")[1]
+    ops = {(m.upper(), p): op for p, methods in doc["paths"].items() for m, op in methods.items()}
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        op = ops[("POST", route)]
+        assert set(op["responses"]) == {"200", "400", "401", "404", "413", "429", "503"}, route
+        assert {"application/json", "text/event-stream"} <= set(op["responses"]["200"]["content"])
+        assert op["security"] == [{"bearer": []}]
+        for code in set(op["responses"]) - {"200"}:
+            ref = op["responses"][code]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.endswith("/ErrorResponse")
+    assert set(ops[("GET", "/v1/models")]["responses"]) == {"200", "401"}
+    assert "HTTPValidationError" not in str(doc)
+    model = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["anyOf"]
+    assert next(a for a in model if a.get("type") == "string")["enum"] == ["tiny-chat", "tiny-chat.gguf"]
+    assert "context" in doc["info"]["description"] and "429" in doc["info"]["description"]
+
+
+def test_metrics_of_the_chat_engine(server: Server) -> None:
+    _client(server).completions.create(model="tiny-chat", prompt="hello", max_tokens=5, temperature=0)
+    for name in ("evoforge_chat_time_to_first_token_seconds_count", "evoforge_chat_inter_token_seconds_count",
+                 "evoforge_chat_output_tokens_total", "evoforge_chat_prompt_tokens_total",
+                 "evoforge_chat_output_tokens_per_second"):  # fmt: skip
+        assert _metric(server, name) > 0, name
+    assert _metric(server, "evoforge_chat_kv_cache_budget_bytes") == 2048 * 2**20
+    text = server.call("GET", "/metrics")[1]
+    for name in ("evoforge_chat_kv_cache_bytes", "evoforge_chat_kv_cache_usage_ratio",
+                 "evoforge_chat_running_requests", "evoforge_chat_waiting_requests"):  # fmt: skip
+        assert re.search(rf"^{name} ", text, re.M), name
+
+
+def test_a_full_kv_budget_and_queue_get_429_then_sigterm_drains(tiny_gguf: Path) -> None:
+    """A budget for one request at a time and one waiting place: of 6 long requests sent together, one runs, one
+    waits, the others are refused 429; all that were taken finish. Then SIGTERM lets a stream finish, exit 0."""
+    srv = start_server(None, "--gguf", str(tiny_gguf), "--kv-cache-mb", "0.75", "--max-waiting", "1")
+    try:
+        start = threading.Barrier(6)
+
+        def one(_: int) -> tuple[int, dict]:
+            start.wait()
+            status, body, _ = srv.call("POST", "/v1/completions", {"prompt": "go", "max_tokens": CONTEXT - 8,
+                                                                    "temperature": 0})  # fmt: skip
+            return status, body
+
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(one, range(6)))
+        statuses = sorted(s for s, _ in got)
+        assert statuses.count(200) >= 2 and statuses.count(429) >= 1 and set(statuses) == {200, 429}, statuses
+        for status, body in got:
+            if status == 429:
+                assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "queue_full"
+            else:
+                assert body["usage"]["completion_tokens"] == CONTEXT - 8
+        assert _metric(srv, 'evoforge_rejected_total{reason="queue_full"}') == statuses.count(429)
+        status, body, _ = srv.call("POST", "/v1/completions", {"prompt": "go", "max_tokens": 2 * CONTEXT,
+                                                               "temperature": 0})  # fmt: skip
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"  # the context ends it
+
+        import http.client
+        from urllib.parse import urlsplit
+
+        u = urlsplit(srv.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "go", "max_tokens": 300, "stream": True}),
+                     {"content-type": "application/json"})  # fmt: skip
+        reply = conn.getresponse()
+        first = reply.readline()
+        srv.proc.send_signal(signal.SIGTERM)  # in the middle of the stream
+        rest = reply.read().decode()
+        assert first.startswith(b"data: ") and rest.rstrip().endswith("data: [DONE]")
+        assert srv.proc.wait(timeout=60) == 0
+        last = json.loads(rest.rstrip().split("\n\n")[-2][len("data: ") :])
+        assert last["choices"][0]["finish_reason"] == "length"
+    finally:
+        stop(srv)
