@@ -253,25 +253,18 @@ class CKernel:
 
         Conversion happens here, once, so the callable is as cheap as a ctypes call can be.
         """
-        types: list[type] = []
-        values: list[Any] = []
-        for a in args:
-            if isinstance(a, np.ndarray):
-                if not a.flags.c_contiguous:
-                    raise TypeError("kernel array arguments must be C-contiguous")
-                types.append(ctypes.c_void_p)
-                values.append(ctypes.c_void_p(a.ctypes.data))
-            elif isinstance(a, (bool, int, np.integer)):
-                types.append(ctypes.c_int)
-                values.append(ctypes.c_int(int(a)))
-            elif isinstance(a, (float, np.floating)):
-                types.append(ctypes.c_float)
-                values.append(ctypes.c_float(float(a)))
-            else:
-                raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
+        converted = [_c_arg(a) for a in args]
+        types, values = [t for t, _ in converted], [v for _, v in converted]
         self._fn.argtypes = types
         fn = self._fn
         return functools.partial(fn, *values)
+
+    def caller(self, args: Sequence[Any]) -> Callable[..., None]:
+        """The kernel with its C types fixed once, from the kinds of ``args`` (as :meth:`bind` takes them): it is
+        then called with ints, floats and arrays' addresses (``a.ctypes.data``) in their places. For a hot loop,
+        where :meth:`bind`'s conversions take longer than a small kernel runs. Valid until :meth:`close`."""
+        proto = ctypes.CFUNCTYPE(None, *(_c_arg(a)[0] for a in args))
+        return proto(ctypes.cast(self._fn, ctypes.c_void_p).value)
 
     def close(self) -> None:
         """Unloads the library (the long-lived worker would otherwise accumulate every candidate)."""
@@ -280,6 +273,19 @@ class CKernel:
             import _ctypes
 
             _ctypes.dlclose(lib._handle)
+
+
+def _c_arg(a: Any) -> tuple[type, Any]:
+    """A kernel argument's C type and value: an array (C-contiguous) as its address, an int, a float."""
+    if isinstance(a, np.ndarray):
+        if not a.flags.c_contiguous:
+            raise TypeError("kernel array arguments must be C-contiguous")
+        return ctypes.c_void_p, ctypes.c_void_p(a.ctypes.data)
+    if isinstance(a, (bool, int, np.integer)):
+        return ctypes.c_int, ctypes.c_int(int(a))
+    if isinstance(a, (float, np.floating)):
+        return ctypes.c_float, ctypes.c_float(float(a))
+    raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
 
 
 def load_kernel(path: str, name: str) -> CKernel:

@@ -1,0 +1,181 @@
+"""The decoder's weight GEMMs and LM head on the C kernels of the engine's ``linear`` slot.
+
+:func:`decoder_ops` returns a :class:`DecoderOps` whose ``linear`` and ``lm_head`` run a linear-slot task's kernel
+(its seed register tile, or a genome given) over the model's weights, each quantised and packed once, here: int8
+(``linear_int8`` where the CPU has AVX512_VNNI, else ``linear_int8_avx2``: the same arithmetic, bit for bit), fp32
+(``linear_f32``, AVX2 and FMA) or bf16 (``linear_bf16``, AVX512_BF16). The CPU is the one :mod:`runtime.isa`
+shows (``EVOFORGE_CPU_ISA=avx2`` hides the AVX-512 kernels). Each matrix may take its own precision (e.g. the LM
+head in fp32, the rest int8). A reduced precision is checked against the fp32 engine with
+:func:`runtime.decoder.fidelity.fidelity`.
+
+Kernels built with more than one thread use OpenMP, whose team is ``OMP_NUM_THREADS`` (all cores when unset), as
+BLAS follows its own variable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+import numpy as np
+
+from genome import Genome
+from runtime.decoder.model import DecoderModel
+from runtime.decoder.ops import DecoderOps, np_linear
+from runtime.hardware import cpu_flags
+from runtime.settings import CompilerSettings
+from runtime.task import load_task_class
+from runtime.tasks._linear import LinearTask
+from runtime.toolchain.cc import CKernel, compile_source, load_kernel
+
+__all__ = ["MATRICES", "PRECISIONS", "DecoderKernelError", "Precision", "decoder_ops", "linear_task"]
+
+Precision = Literal["fp32", "int8", "bf16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+MATRICES = ("qkv", "o", "gate_up", "down", "lm_head")
+"""The decoder's weight matrices, as :func:`decoder_ops` names them: the fused Q, K and V projection, the attention
+output, the fused gate and up projection, the down projection, and the LM head."""
+
+# The linear-slot tasks of each precision, the fastest first: the first whose instructions the CPU has is used.
+_TASKS: dict[str, tuple[str, ...]] = {
+    "int8": ("linear_int8", "linear_int8_avx2"),
+    "fp32": ("linear_f32",),
+    "bf16": ("linear_bf16",),
+}
+
+DEFAULT_CACHE = Path.home() / ".cache" / "evoforge" / "kernels"
+
+
+class DecoderKernelError(ValueError):
+    """No kernel of the precision asked for runs on this CPU, or an unknown precision or matrix was named."""
+
+
+def linear_task(precision: str) -> str:
+    """The linear-slot task that runs ``precision``'s GEMMs on this CPU (as :mod:`runtime.isa` shows it)."""
+    if precision not in _TASKS:
+        raise DecoderKernelError(f"no precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    flags, needs = cpu_flags(), []
+    for name in _TASKS[precision]:
+        spec = load_task_class(name).slot
+        assert spec is not None
+        if not spec.missing(flags):
+            return name
+        needs.append(f"{' and '.join(spec.cpu_flags)} ({name})")
+    need = " or ".join(needs)
+    raise DecoderKernelError(f"no {precision} kernel runs on this CPU: it needs {need}")
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """One weight made ready for its kernel: ``call(m, n, k, x, *packed, bias, y)``, addresses given as ints (the
+    bias is zeros: a layer's own is added after)."""
+
+    call: Callable[..., None]
+    k: int
+    n: int
+    tail: tuple[int, ...]  # the packed arrays' and the bias's addresses
+    keep: tuple[np.ndarray, ...]  # what the addresses point into, alive as long as this entry
+
+
+class _Kernels:
+    """The compiled kernel of each precision in use, and its task (how it packs weights)."""
+
+    def __init__(self, genomes: Mapping[str, Genome], threads: int, compiler: CompilerSettings, cache: Path) -> None:
+        self.tasks: dict[str, LinearTask] = {}
+        self.kernels: dict[str, CKernel] = {}
+        self._genomes, self._threads, self._compiler, self._cache = genomes, threads, compiler, cache
+
+    def get(self, precision: str) -> tuple[LinearTask, CKernel]:
+        if precision not in self.kernels:
+            name = linear_task(precision)
+            task = load_task_class(name)({"threads": self._threads})
+            assert isinstance(task, LinearTask)
+            genome = self._genomes.get(precision) or task.seeds()[-1]
+            self._cache.mkdir(parents=True, exist_ok=True)
+            built = compile_source(task.render(genome), compiler=self._compiler, extra_flags=task.compile_flags(),
+                                   cache_dir=str(self._cache))  # fmt: skip
+            self.tasks[precision], self.kernels[precision] = task, load_kernel(built.path, task.kernel_name)
+        return self.tasks[precision], self.kernels[precision]
+
+    def pack(self, precision: str, w: np.ndarray) -> _Packed | None:
+        """``w`` ``[k, n]`` packed for ``precision``'s kernel (``None`` where its shape is outside the kernel's)."""
+        task, kernel = self.get(precision)
+        spec = task.slot
+        assert spec is not None
+        k, n = w.shape
+        if k % spec.k_multiple or n % spec.n_multiple:
+            return None
+        packed = task.slot_pack(np.ascontiguousarray(w, np.float32))
+        bias = np.zeros(n, np.float32)
+        x0, y0 = np.zeros((1, k), np.float32), np.zeros((1, n), np.float32)
+        # the linear slot's kernels all take (m, n, k, x, *packed, bias, y): the task's C types fixed once
+        call = kernel.caller(task.slot_args({"x": x0, "packed": packed, "bias": bias}, y0))
+        keep = (*packed, bias)
+        return _Packed(call, k, n, tuple(a.ctypes.data for a in keep), keep)
+
+
+def _run(p: _Packed, x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, np.float32)
+    y = np.empty((x.shape[0], p.n), np.float32)
+    p.call(x.shape[0], p.n, p.k, x.ctypes.data, *p.tail, y.ctypes.data)
+    return y
+
+
+def decoder_ops(
+    model: DecoderModel,
+    precision: Precision = "int8",
+    *,
+    matrices: Mapping[str, Precision] | None = None,
+    genomes: Mapping[str, Genome] | None = None,
+    threads: int = 1,
+    compiler: CompilerSettings | None = None,
+    cache_dir: str | Path | None = None,
+    base: DecoderOps | None = None,
+) -> DecoderOps:
+    """``base`` (numpy's operators by default) with ``linear`` and ``lm_head`` on C kernels over ``model``'s weights.
+
+    Every matrix runs in ``precision`` unless ``matrices`` names another for it (keys from :data:`MATRICES`);
+    ``genomes`` gives a precision's kernel (a genome of its task, e.g. an evolved elite; default the task's seed
+    register tile). Kernels compile (``compiler``, cached in ``cache_dir``, default ``~/.cache/evoforge/kernels``)
+    for ``threads`` threads. A weight the kernels do not hold (another model's), or a shape outside a kernel's
+    multiples, runs in numpy. Raises :class:`DecoderKernelError`, and the toolchain's CompileError.
+    """
+    chosen = dict(matrices or {})
+    if unknown := sorted(set(chosen) - set(MATRICES)):
+        raise DecoderKernelError(f"no matrix {', '.join(map(repr, unknown))}: name some of {', '.join(MATRICES)}")
+    for p in (precision, *chosen.values()):
+        linear_task(p)  # an unknown precision, or one this CPU cannot run, fails before anything compiles
+    kernels = _Kernels(genomes or {}, threads, compiler or CompilerSettings(),
+                       Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE)  # fmt: skip
+
+    def of(matrix: str) -> str:
+        return chosen.get(matrix, precision)
+
+    table: dict[int, tuple[np.ndarray, _Packed]] = {}  # id(weight) -> (the weight, kept alive; its packed form)
+    for layer in model.layers:
+        for name, w in (("qkv", layer.w_qkv), ("o", layer.w_o), ("gate_up", layer.w_gate_up), ("down", layer.w_down)):
+            if (p := kernels.pack(of(name), w)) is not None:
+                table[id(w)] = (w, p)
+    head = kernels.pack(of("lm_head"), model.lm_head.T)
+    base = base or DecoderOps()
+    np_head = base.lm_head
+
+    def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+        entry = table.get(id(w))
+        if entry is None:
+            return np_linear(x, w, b)
+        y = _run(entry[1], x)
+        if b is not None:  # Qwen2's Q, K and V biases
+            y += b
+        return y
+
+    def lm_head(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        if head is None or w is not model.lm_head:
+            return np_head(x, w)
+        return _run(head, x)
+
+    return DecoderOps(linear=linear, rmsnorm=base.rmsnorm, rope=base.rope, attention=base.attention,
+                      swiglu=base.swiglu, lm_head=lm_head)  # fmt: skip
