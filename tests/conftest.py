@@ -3,8 +3,8 @@
 - A test that measures time (a speedup, a duel, a p99, a clock) is marked ``exclusive``: it runs with no other
   test beside it. The workers share a readers-writer lock on a file: every other test holds it shared, an
   exclusive one holds it alone, and a turnstile keeps a waiting exclusive test from being overtaken.
-- Tests that use one expensive session fixture (a factory directory, the served runs, a Ray cluster, a
-  decoder model) run on one worker, so that it is built once.
+- Tests that use one expensive session fixture (a factory directory, the served runs, a Ray cluster) run on
+  one worker, so that it is built once; a module may name its group itself (``pytest.mark.xdist_group``).
 
 Run without xdist (``-n 0``, or ``-p no:xdist``) none of this applies.
 """
@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 
 # session or module fixture -> the one worker's group of the tests that use it
-_BUILT_ONCE = {"factory": "factory", "runs": "served-runs", "cluster": "ray-cluster", "smollm2": "smollm2",
-               "tiny_models": "tiny-decoders"}
+_BUILT_ONCE = {"factory": "factory", "runs": "served-runs", "cluster": "ray-cluster"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        if item.get_closest_marker("xdist_group"):  # the module named its group itself
+            continue
         group = next((g for name, g in _BUILT_ONCE.items() if name in getattr(item, "fixturenames", ())), None)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))

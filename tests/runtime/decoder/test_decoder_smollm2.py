@@ -36,18 +36,6 @@ def test_shapes_come_from_the_metadata(smollm2):
     assert tok.token(2) == "<|im_end|>"
 
 
-def test_tokenizer_matches_transformers(smollm2, smollm2_path):
-    transformers = pytest.importorskip("transformers")
-    ref = transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
-    for text in STRINGS:
-        ids = smollm2.tokenizer.encode(text)
-        assert ids == ref(text).input_ids, text
-        assert smollm2.tokenizer.decode(ids, skip_special=False) == ref.decode(ids)
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    assert smollm2.tokenizer.render_chat(messages) == ref.apply_chat_template(messages, tokenize=False,
-                                                                              add_generation_prompt=True)  # fmt: skip
-
-
 def test_tokenizer_matches_llama_cpp(smollm2, smollm2_path):
     """llama.cpp (the package's own runtime, its vocabulary alone) splits digits apart for this model, as the
     file's pre-tokenizer name ("smollm") says."""
@@ -55,3 +43,8 @@ def test_tokenizer_matches_llama_cpp(smollm2, smollm2_path):
     ref = llama_cpp.Llama(model_path=str(smollm2_path), vocab_only=True, verbose=False)
     for text in STRINGS:
         assert smollm2.tokenizer.encode(text) == ref.tokenize(text.encode(), add_bos=False, special=True), text
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = smollm2.tokenizer.render_chat(messages)  # the file's template, with its default system message
+    assert chat == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert smollm2.tokenizer.encode_chat(messages) == ref.tokenize(chat.encode(), add_bos=False, special=True)
