@@ -33,19 +33,23 @@ __all__ = ["ChatCompletionRequest", "CompletionRequest", "router"]
 
 router = APIRouter(tags=["chat"])
 _STATUSES = (400, 401, 404, 413, 429, 503)
-_STREAMED = {"text/event-stream": {"schema": {"type": "string"},
+# each server-sent event (OpenAPI 3.1: the schema of one event, as schemathesis and the SSE registry read it)
+_EVENT = {"type": "object", "required": ["data"],
+          "properties": {"data": {"type": "string", "description": "a chunk as JSON, then [DONE]"},
+                         "event": {"type": "string"}}}  # fmt: skip
+_STREAMED = {"text/event-stream": {"schema": _EVENT,
                                    "example": 'data: {"choices": [...]}\n\ndata: [DONE]\n\n'}}  # fmt: skip
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as stated (`stream: 0` is no boolean)
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart] = Field(description="text, or text parts (joined)")
@@ -56,7 +60,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = Field(False, description="a last chunk (no choices) carries the usage")
 
@@ -64,7 +68,7 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """What both routes take: OpenAI's sampling fields this server honours (others are refused, 400)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(None, description="the served model's id (GET /v1/models); default: it")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the context's "

@@ -37,9 +37,17 @@ checks.positive_data_acceptance.expected-statuses = [200, 400, 403, 404, 409]
 """
 
 
-def _schemathesis(srv: Server, tmp_path: Path, examples: int) -> subprocess.CompletedProcess[str]:
+# A chat server answers a schema-valid body 400 where the model's context or n cannot take it, and 429 when full.
+_CHAT_CONFIG = """\
+[checks]
+positive_data_acceptance.expected-statuses = [200, 400, 401, 404, 429]
+"""
+
+
+def _schemathesis(srv: Server, tmp_path: Path, examples: int, config_text: str = _CONFIG,
+                  ) -> subprocess.CompletedProcess[str]:  # fmt: skip
     config = tmp_path / "schemathesis.toml"
-    config.write_text(_CONFIG)
+    config.write_text(config_text)
     cli = shutil.which("schemathesis", path=os.path.dirname(sys.executable)) or "schemathesis"
     cmd = [cli, "--config-file", str(config), "run", f"{srv.url}/openapi.json", "--checks", "all",
            "--max-examples", str(examples), "--seed", "1", "--request-timeout", "60", "--no-color",
@@ -55,6 +63,21 @@ def test_schemathesis_finds_nothing_the_document_could_say(runs, run, key, tmp_p
     srv = start_server(runs[run], key=key)
     try:
         done = _schemathesis(srv, tmp_path, examples=15)
+    finally:
+        stop(srv)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+def test_schemathesis_finds_nothing_the_chat_document_could_say(tmp_path) -> None:
+    """`evo serve --gguf` of a tiny random chat model: typed bodies (`stream: 0` is no boolean), each streamed
+    event as the document states it."""
+    from gguf_models import train_vocabulary, write_random_gguf
+
+    lines = [s for s in (Path(__file__).parents[1] / "data" / "sentences.txt").read_text().splitlines() if s.strip()]
+    model = write_random_gguf(tmp_path / "tiny-chat.gguf", train_vocabulary(lines))
+    srv = start_server(None, "--gguf", str(model), key=KEY)
+    try:
+        done = _schemathesis(srv, tmp_path, examples=15, config_text=_CHAT_CONFIG)
     finally:
         stop(srv)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
