@@ -3,7 +3,6 @@ tokenizer loaded from the same file as the reference; SmolLM2-135M-Instruct wher
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,30 +10,12 @@ from typing import Any
 
 import pytest
 from gguf_models import Vocabulary, make_hf_model, smollm2_file, train_vocabulary, write_gguf
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-DATA = Path(__file__).resolve().parents[2] / "data"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def one_blas_thread():
-    """One BLAS thread: on a small shared machine more threads than free cores make BLAS crawl."""
-    from threadpoolctl import threadpool_limits
-
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
+from model_fixtures import one_blas_thread, sentences  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="session")
-def corpus() -> list[str]:
-    return [s for s in (DATA / "sentences.txt").read_text(encoding="utf-8").splitlines() if s.strip()]
-
-
-@pytest.fixture(scope="session")
-def vocabulary(corpus: list[str]) -> Vocabulary:
-    return train_vocabulary(corpus)
+def vocabulary(sentences: list[str]) -> Vocabulary:
+    return train_vocabulary(sentences)
 
 
 @dataclass

@@ -93,18 +93,18 @@ def test_a_weight_the_kernels_do_not_hold_runs_in_numpy(shaped, kernel_cache):
 
 @tiny_group
 @pytest.mark.parametrize("case", ["llama-f32", "qwen2-f32"])
-def test_tiny_decoders_on_c_kernels_follow_numpy(case, tiny_models, corpus, kernel_cache):
+def test_tiny_decoders_on_c_kernels_follow_numpy(case, tiny_models, sentences, kernel_cache):
     """fp32 kernels give numpy's logits (Qwen2's biases added); int8 ones stay close to them."""
     model = tiny_models(case).decoder.model
     reference = DecoderOps()
-    fp32 = fidelity(model, reference, decoder_ops(model, "fp32", cache_dir=kernel_cache), corpus[:8])
+    fp32 = fidelity(model, reference, decoder_ops(model, "fp32", cache_dir=kernel_cache), sentences[:8])
     assert fp32.top1 == 1.0 and fp32.mean_kl < 1e-8
-    int8 = fidelity(model, reference, decoder_ops(model, "int8", cache_dir=kernel_cache), corpus[:8])
+    int8 = fidelity(model, reference, decoder_ops(model, "int8", cache_dir=kernel_cache), sentences[:8])
     assert int8.top1 >= 0.9 and 1e-7 < int8.mean_kl < 0.05, int8
 
 
 @tiny_group
-def test_one_matrix_may_keep_another_precision(llama, corpus, kernel_cache):
+def test_one_matrix_may_keep_another_precision(llama, sentences, kernel_cache):
     """The LM head in fp32 and the rest in int8: its logits are the fp32 GEMM of the int8 layers' output."""
     model = llama.decoder.model
     mixed = decoder_ops(model, "int8", matrices={"lm_head": "fp32"}, cache_dir=kernel_cache)
@@ -151,8 +151,8 @@ def test_the_native_level_uses_the_widest_int8_kernel():
 
 
 @smollm2_group
-def test_smollm2_in_int8_against_fp32_and_the_floor(smollm2, corpus, kernel_cache):
-    """Teacher-forced on the corpus against the fp32 engine: int8 on every matrix stays as measured (top-1 near 0.89,
+def test_smollm2_in_int8_against_fp32_and_the_floor(smollm2, sentences, kernel_cache):
+    """Teacher-forced on the sentences against the fp32 engine: int8 on every matrix stays as measured (top-1 near 0.89,
     mean KL near 0.03: below the default floor, and its answer to the capital of France loses Paris); int8 on the
     attention output alone, the rest fp32, holds the floor and answers Paris."""
     model = smollm2.model
@@ -166,10 +166,10 @@ def test_smollm2_in_int8_against_fp32_and_the_floor(smollm2, corpus, kernel_cach
         return memo[key]
 
     int8 = decoder_ops(model, "int8", cache_dir=kernel_cache)
-    every = fidelity(model, reference, int8, corpus)
+    every = fidelity(model, reference, int8, sentences)
     assert 0.85 <= every.top1 < DEFAULT_FLOOR.top1 and DEFAULT_FLOOR.mean_kl < every.mean_kl <= 0.05, every
     mixed = decoder_ops(model, "fp32", matrices={"o": "int8"}, cache_dir=kernel_cache)
-    held = fidelity(model, reference, mixed, corpus)
+    held = fidelity(model, reference, mixed, sentences)
     assert held.holds(), held
     done = Decoder(model, ops=mixed).generate([{"role": "user", "content": "What is the capital of France?"}],
                                              max_tokens=24)  # fmt: skip

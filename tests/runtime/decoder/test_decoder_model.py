@@ -19,11 +19,11 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.abs(a - b).max() < 1e-4 * np.abs(b).max())
 
 
-def test_prefill_then_decode_equals_full_recompute(llama, corpus):
+def test_prefill_then_decode_equals_full_recompute(llama, sentences):
     """Logits of a 5-token prefill followed by single-token steps (through a cache that starts too small and
     grows) equal those of one pass over the whole sequence."""
     model, ops = llama.decoder.model, DecoderOps()
-    ids = llama.decoder.tokenizer.encode(" ".join(corpus[:3]))[:40]
+    ids = llama.decoder.tokenizer.encode(" ".join(sentences[:3]))[:40]
     full = model.forward([ids], [model.new_cache()], ops, all_logits=True)
     cache = model.new_cache(capacity=4)
     steps = [model.forward([ids[:5]], [cache], ops, all_logits=True)]
@@ -32,11 +32,11 @@ def test_prefill_then_decode_equals_full_recompute(llama, corpus):
     assert _close(np.concatenate(steps), full)
 
 
-def test_batched_forward_at_different_positions_equals_each_alone(llama, corpus):
+def test_batched_forward_at_different_positions_equals_each_alone(llama, sentences):
     """One pass over three sequences (one fresh, two with 7 and 19 tokens cached; 1, 6 and 11 new tokens)
     gives each sequence the logits it gets alone."""
     model, ops = llama.decoder.model, DecoderOps()
-    seqs = [llama.decoder.tokenizer.encode(s) for s in (corpus[0], corpus[2], corpus[3])]
+    seqs = [llama.decoder.tokenizer.encode(s) for s in (sentences[0], sentences[2], sentences[3])]
     cached, new = [0, 7, 19], [1, 6, 11]
     alone, caches = [], []
     for ids, c, n in zip(seqs, cached, new, strict=True):
@@ -52,10 +52,10 @@ def test_batched_forward_at_different_positions_equals_each_alone(llama, corpus)
     assert [c.length for c in caches] == [c + n for c, n in zip(cached, new, strict=True)]
 
 
-def test_batch_generation_gives_each_sequence_its_tokens_alone(llama, corpus):
+def test_batch_generation_gives_each_sequence_its_tokens_alone(llama, sentences):
     """Prompts of different lengths, greedy and seeded sampling mixed, generated together and alone."""
     dec = llama.decoder
-    prompts = [corpus[0], " ".join(corpus[2:6]), [{"role": "user", "content": corpus[4]}]]
+    prompts = [sentences[0], " ".join(sentences[2:6]), [{"role": "user", "content": sentences[4]}]]
     params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=3),
               SamplingParams(max_tokens=16, temperature=1.2, top_k=20, seed=4)]  # fmt: skip
     together = dec.generate_batch(prompts, params)

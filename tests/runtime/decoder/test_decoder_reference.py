@@ -27,9 +27,9 @@ def _reference_logits(tiny, ids: list[int]) -> np.ndarray:
         return tiny.reference(torch.tensor([ids])).logits[0].numpy()
 
 
-def test_logits_match_transformers(tiny, corpus):
+def test_logits_match_transformers(tiny, sentences):
     """Every position's logits of a 60-token text agree with transformers' to fp32 rounding."""
-    ids = tiny.decoder.tokenizer.encode(" ".join(corpus[:6]))[:60]
+    ids = tiny.decoder.tokenizer.encode(" ".join(sentences[:6]))[:60]
     ours = tiny.decoder.model.forward([ids], [tiny.decoder.model.new_cache()], DecoderOps(), all_logits=True)
     ref = _reference_logits(tiny, ids)
     assert ours.shape == ref.shape == (len(ids), tiny.decoder.model.config.vocab)
@@ -63,11 +63,11 @@ def test_chat_template_raise_exception_is_one_line_error(llama):
     assert "\n" not in str(info.value)
 
 
-def test_greedy_text_matches_transformers_generate(tiny, corpus):
+def test_greedy_text_matches_transformers_generate(tiny, sentences):
     """Greedy continuations of three prompts are transformers' ``generate(do_sample=False)`` token for token."""
     import torch
 
-    for prompt in (corpus[0], corpus[4], " ".join(corpus[2:5])):
+    for prompt in (sentences[0], sentences[4], " ".join(sentences[2:5])):
         done = tiny.decoder.generate(prompt, max_tokens=24)
         ids = tiny.decoder.tokenizer.encode(prompt)
         with torch.no_grad():
