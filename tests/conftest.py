@@ -3,8 +3,8 @@
 - A test that measures time (a speedup, a duel, a p99, a clock) is marked ``exclusive``: it runs with no other
   test beside it. The workers share a readers-writer lock on a file: every other test holds it shared, an
   exclusive one holds it alone, and a turnstile keeps a waiting exclusive test from being overtaken.
-- Tests that use one expensive session fixture (a factory directory, the served runs, a Ray cluster) run on
-  one worker, so that it is built once; a module may name its group itself (``pytest.mark.xdist_group``).
+- Tests that use one expensive session fixture (a factory directory, a Ray cluster) run on one worker, so
+  that it is built once; a module may name its group itself (``pytest.mark.xdist_group``).
 
 Run without xdist (``-n 0``, or ``-p no:xdist``) none of this applies.
 """
@@ -21,16 +21,22 @@ from pathlib import Path
 import pytest
 
 # session or module fixture -> the one worker's group of the tests that use it
-_BUILT_ONCE = {"factory": "factory", "runs": "served-runs", "cluster": "ray-cluster"}
+_BUILT_ONCE = {"factory": "factory", "cluster": "ray-cluster"}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if item.get_closest_marker("xdist_group"):  # the module named its group itself
-            continue
         group = next((g for name, g in _BUILT_ONCE.items() if name in getattr(item, "fixturenames", ())), None)
-        if group:
+        if group and not item.get_closest_marker("xdist_group"):  # a module may name its group itself
             item.add_marker(pytest.mark.xdist_group(group))
+        groups = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group")})
+        if groups and getattr(config.option, "loadgroup", False) and hasattr(item, "_id"):
+            # xdist schedules a group by the "@group" suffix of a node id, which its worker writes into
+            # ``_nodeid``; pytest 9 keeps the id in ``_id``, so the suffix is written here
+            from _pytest.nodeid import coerce_node_id
+
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 @contextlib.contextmanager

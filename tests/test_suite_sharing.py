@@ -1,5 +1,6 @@
 """The suite's own sharing rule (tests/conftest.py), run for real on two xdist workers: a test marked
-``exclusive`` overlaps no other test, while ordinary tests do run side by side."""
+``exclusive`` overlaps no other test, while ordinary tests do run side by side, and the tests of an expensive
+fixture run on one worker, which builds it once."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def test_ordinary(i):
 @pytest.mark.parametrize("i", range(2))
 def test_exclusive(i):
     _span(f"exclusive-{i}")
+
+@pytest.fixture(scope="session")
+def factory():
+    Path(os.environ["SPANS"], f"built-{os.getpid()}").write_text("")
+
+@pytest.mark.parametrize("i", range(4))
+def test_sharing_a_fixture(i, factory):
+    time.sleep(0.2)
 """
 
 
@@ -41,12 +50,13 @@ def test_an_exclusive_test_runs_alone_and_the_others_side_by_side(tmp_path):
     spans = tmp_path / "spans"
     spans.mkdir()
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "xdist", "-o", "markers=exclusive: alone",
-         "-p", "no:cacheprovider", "test_spans.py"],
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "xdist",
+         "-o", "markers=exclusive: alone", "-p", "no:cacheprovider", "test_spans.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env={"SPANS": str(spans), "PATH": ""},
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    got = {p.name: json.loads(p.read_text()) for p in spans.iterdir()}
+    assert len(list(spans.glob("built-*"))) == 1  # one worker ran the fixture's tests
+    got = {p.name: json.loads(p.read_text()) for p in spans.iterdir() if not p.name.startswith("built-")}
     assert len(got) == 8
 
     def overlap(a: list[float], b: list[float]) -> bool:

@@ -188,7 +188,7 @@ def test_serve_follow_needs_a_promotion(tmp_path):
     got = evo("serve", "--follow", str(tmp_path), cwd=tmp_path, timeout=60)
     assert got.returncode == 2 and "has promoted no engine yet" in got.stderr
     both = evo("serve", str(tmp_path), "--follow", str(tmp_path), cwd=tmp_path, timeout=60)
-    assert both.returncode == 2 and "either RUN_DIR or --follow" in both.stderr
+    assert both.returncode == 2 and "give one of RUN_DIR, --follow FACTORY_DIR or --gguf FILE" in both.stderr
 
 
 def test_a_factory_a_user_got_wrong_is_one_line(tmp_path):
