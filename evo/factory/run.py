@@ -161,6 +161,7 @@ class Factory:
         new kernel elite as it lands); the engine search's last ``engine_after_kernels`` evaluations wait for
         the kernel searches to end, so they try every kernel the round found."""
         run_dir = self.dir.engine_run(n)
+        self._say_searched(n, plan)
         if self.dir.engine_done(n):
             return run_dir
         config = self._engine_config(n, plan)
@@ -191,6 +192,21 @@ class Factory:
         self._event("searched", round=n, task=FactoryDir.ENGINE, evaluations=self._evaluations(run_dir),
                     best=self._best(run_dir), offered=self._offers(run_dir))  # fmt: skip
         return run_dir
+
+    def _say_searched(self, n: int, plan: Plan) -> None:
+        """The ``searched`` events of round ``n``'s searches that ended in an earlier session which died before
+        it said so (between a search's record and its event)."""
+        said = {(e.get("round"), e.get("task")) for e in self.dir.events() if e.get("event") == "searched"}
+        for s in plan.searches:
+            entry = self.dir.history(s.task).get(n)
+            if entry is not None and (n, s.task) not in said:
+                self._event("searched", round=n, task=s.task, evaluations=self._evaluations(self.dir.run_dir(s.task)),
+                            **entry)  # fmt: skip
+                said.add((n, s.task))
+        run_dir = self.dir.engine_run(n)
+        if self.dir.engine_done(n) and (n, FactoryDir.ENGINE) not in said:
+            self._event("searched", round=n, task=FactoryDir.ENGINE, evaluations=self._evaluations(run_dir),
+                        best=self._best(run_dir), offered=self._offers(run_dir))  # fmt: skip
 
     def _start_kernel(self, n: int, task: str, evals: int) -> tuple[_SearchProcess, float | None]:
         run_dir = self.dir.run_dir(task)

@@ -203,3 +203,21 @@ def test_a_factory_a_user_got_wrong_is_one_line(tmp_path):
     assert not (tmp_path / "factories").exists()  # nothing written for a factory that cannot start
     status = evo("factory", "status", str(tmp_path), cwd=tmp_path, timeout=60)
     assert status.returncode == 2 and "no factory in" in status.stderr
+
+
+def test_a_search_that_ended_unsaid_is_said_once_when_the_round_resumes(tmp_path):
+    """A factory killed between a search's record (its run's round history) and its ``searched`` event: the
+    resumed round writes the event once."""
+    from evo.factory.plan import Plan
+    from evo.factory.run import Factory
+
+    plan = Plan.from_dict({"round": 1, "searches": [{"slot": "gelu", "task": "gelu", "evals": 4, "share": 0.2,
+                                                      "why": ""}], "skipped": {}})  # fmt: skip
+    (tmp_path / "runs" / "gelu").mkdir(parents=True)
+    (tmp_path / "runs" / "gelu" / "factory-rounds.json").write_text(json.dumps({"1": {"before": 2.0, "after": 3.0}}))
+    factory = Factory(FactoryConfig(), tmp_path, note=lambda _: None)
+    for _ in range(2):
+        factory._say_searched(1, plan)
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["round"], e["task"], e["before"], e["after"]) for e in events] == [
+        ("searched", 1, "gelu", 2.0, 3.0)]  # fmt: skip
