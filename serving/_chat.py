@@ -81,6 +81,8 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     user: str | None = None
+    ignore_eos: bool = Field(False, description="an extension (as llama.cpp's and vLLM's servers take it): never "
+                             "end at the model's end token, only at max_tokens or a stop string")  # fmt: skip
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -228,7 +230,8 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, 
     context = decoder.model.config.context
     try:
         params = SamplingParams(max_tokens=max_tokens or max(1, context - len(ids)), temperature=body.temperature,
-                                top_p=body.top_p, seed=body.seed, stop=tuple(stop))  # fmt: skip
+                                top_p=body.top_p, seed=body.seed, stop=tuple(stop),
+                                ignore_eos=body.ignore_eos)  # fmt: skip
         gen = state.scheduler.submit(ids, params)
     except ContextFull as exc:
         raise APIError(400, f"{exc}: shorten the prompt", param=where, code="context_length_exceeded") from None

@@ -81,8 +81,12 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
 
 def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key_env: str | None = None,
                limits: Limits | None = None, scheduler: SchedulerConfig | None = None,
-               drain_timeout: float = 30.0) -> int:  # fmt: skip
+               drain_timeout: float = 30.0, linear: str = "numpy", threads: int | None = None) -> int:  # fmt: skip
     """Serves the chat model of the GGUF file ``path`` on the decoder engine until a signal; returns the exit code.
+
+    ``linear``: ``numpy`` runs the weight GEMMs and the LM head in numpy (BLAS); ``fp32``, ``int8`` or ``bf16``
+    on the linear slot's C kernel of that precision (:func:`runtime.decoder.kernels.decoder_ops`). ``threads``
+    caps BLAS, or sets the kernels' OpenMP team (default: every core).
 
     Raises :class:`ServeError` for what the user can fix (a file the decoder cannot load, missing key, busy
     port). The model loads before the port is taken.
@@ -101,11 +105,30 @@ def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, a
         decoder = Decoder.load(path)
     except (GGUFLoadError, ChatTemplateError) as exc:
         raise ServeError(f"--gguf: {exc}") from None
+    _engine_threads(threads)
+    if linear != "numpy":
+        from runtime.decoder.kernels import DecoderKernelError, decoder_ops
+
+        try:
+            decoder.ops = decoder_ops(decoder.model, linear, threads=threads or os.cpu_count() or 1)  # type: ignore[arg-type]
+        except DecoderKernelError as exc:
+            raise ServeError(f"--linear {linear}: {exc}") from None
     app = create_chat_app(decoder, model_ids=(path.stem, path.name), config=scheduler, api_key=api_key,
-                          limits=limits)  # fmt: skip
+                          limits=limits, linear=linear)  # fmt: skip
     cfg = decoder.model.config
-    _log_start(f"{path.name} ({cfg.architecture}, {cfg.layers} layers, context {cfg.context})", host, port, api_key)
+    _log_start(f"{path.name} ({cfg.architecture}, {cfg.layers} layers, context {cfg.context}, linear {linear})", host,
+               port, api_key)  # fmt: skip
     return _run(app, host, port, drain_timeout)
+
+
+def _engine_threads(threads: int | None) -> None:
+    """Caps BLAS at ``threads`` and makes it the C kernels' OpenMP team (read when the first kernel loads)."""
+    if threads is None:
+        return
+    from threadpoolctl import threadpool_limits
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    threadpool_limits(limits=threads, user_api="blas")
 
 
 def _api_key(api_key_env: str | None) -> str | None:

@@ -108,7 +108,7 @@ class Decoder:
         active = seqs
         while True:
             for s, row in zip(active, logits, strict=True):
-                s.stream.push(sample(row, s.params, s.rng))
+                s.stream.push(sample(row, s.params, s.rng, self.tokenizer.end_ids))
             active = [s for s in active if s.stream.finish is None]
             if not active:
                 break

@@ -19,7 +19,8 @@ __all__ = ["SamplingParams", "sample"]
 class SamplingParams:
     """How one request generates: ``temperature`` 0 is greedy (``top_k``, ``top_p`` and ``seed`` then unused);
     ``top_k`` 0 keeps every token; generation ends at ``max_tokens``, at the model's end token, or where the
-    text reaches one of the ``stop`` strings (which the returned text leaves out)."""
+    text reaches one of the ``stop`` strings (which the returned text leaves out). ``ignore_eos`` never samples an
+    end token, so only ``max_tokens`` or a stop string ends it (a load test's fixed output length)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -27,6 +28,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # one stop string given bare
@@ -52,8 +54,12 @@ class SamplingParams:
         return np.random.default_rng(self.seed)
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """The next token id from ``logits`` ``[vocab]`` under ``params``."""
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+           end_ids: frozenset[int] | set[int] = frozenset()) -> int:  # fmt: skip
+    """The next token id from ``logits`` ``[vocab]`` under ``params`` (``end_ids``: the model's end tokens, which
+    ``ignore_eos`` rules out; ``logits`` is then changed in place)."""
+    if params.ignore_eos and end_ids:
+        logits[list(end_ids)] = -np.inf
     if params.greedy:
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / params.temperature

@@ -302,7 +302,7 @@ class Scheduler:
                 seq.done += len(chunk)
                 if seq.done < len(seq.prompt):  # more of the prompt to read: no token yet
                     continue
-            token = sample(row, seq.params, seq.rng)
+            token = sample(row, seq.params, seq.rng, self.decoder.tokenizer.end_ids)
             text = seq.stream.push(token)
             sampled += 1
             seq.gen._channel.put(Chunk(token, text, seq.stream.sampled, seq.stream.finish, now))

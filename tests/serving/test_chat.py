@@ -279,3 +279,44 @@ def test_a_full_kv_budget_and_queue_get_429_then_sigterm_drains(tiny_gguf: Path)
         assert last["choices"][0]["finish_reason"] == "length"
     finally:
         stop(srv)
+
+
+def test_linear_int8_serves_the_int8_engine_and_ignore_eos_fills_max_tokens(tiny_gguf: Path, decoder) -> None:
+    """--linear int8 serves what the int8 kernels decode in process (the same kernel, one thread), and /ready names
+    it; ignore_eos makes an answer run to max_tokens."""
+    from runtime.decoder import Decoder
+    from runtime.decoder.kernels import decoder_ops
+
+    int8 = Decoder(decoder.model, ops=decoder_ops(decoder.model, "int8", threads=1))
+    srv = start_server(None, "--gguf", str(tiny_gguf), "--linear", "int8", "--threads", "1")
+    try:
+        assert srv.call("GET", "/ready")[1]["linear"] == "int8"
+        client = _client(srv)
+        for messages in CHATS:
+            got = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=24, temperature=0)
+            want = int8.generate(messages, max_tokens=24)
+            assert got.choices[0].message.content == want.text
+        got = client.completions.create(model="tiny-chat", prompt="go", max_tokens=CONTEXT - 8, temperature=0,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+        assert got.usage.completion_tokens == CONTEXT - 8 and got.choices[0].finish_reason == "length"
+        status, body, _ = srv.call("POST", "/v1/completions", {"prompt": "go", "ignore_eos": 1})
+        assert status == 400 and body["error"]["param"] == "ignore_eos"
+    finally:
+        stop(srv)
+
+
+def test_engine_options_are_refused_where_they_do_not_apply(tiny_gguf: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    def evo(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "evo", "serve", *args], capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+
+    for args, says in ((("--gguf", str(tiny_gguf), "--elite", "best"), "--elite does not apply to a chat model"),
+                       ((str(tmp_path), "--linear", "int8"), "--linear applies to --gguf only"),
+                       (("--gguf", str(tiny_gguf), "--linear", "int4"), "'int4' is not one of"),
+                       (("--gguf", str(tiny_gguf), "--threads", "0"), "0 is not in the range")):  # fmt: skip
+        done = evo(*args)
+        assert done.returncode == 2 and says in done.stderr, (args, done.stderr)
+        assert "Traceback" not in done.stderr

@@ -72,3 +72,28 @@ def test_stop_string_ends_the_text_before_it(llama):
     assert done.finish_reason == "stop"
     assert done.text == full.text[: full.text.index(stop)]
     assert done.token_ids == full.token_ids[: len(done.token_ids)] and len(done.token_ids) < 40
+
+
+def test_ignore_eos_never_samples_an_end_token(llama):
+    """The model's greedy fifth token made an end token: a generation stops there, unless it ignores ends; then
+    it runs to max_tokens and samples that token nowhere (alone and through the scheduler)."""
+    import copy
+    import dataclasses
+
+    from runtime.decoder import Decoder, Scheduler
+
+    full = llama.decoder.generate("What is the", max_tokens=40)
+    end = full.token_ids[4]
+    tokenizer = copy.copy(llama.decoder.tokenizer)
+    tokenizer.end_ids = frozenset({*tokenizer.end_ids, end})
+    dec = Decoder(dataclasses.replace(llama.decoder.model, tokenizer=tokenizer), ops=llama.decoder.ops)
+    ended = dec.generate("What is the", max_tokens=40)
+    assert ended.finish_reason == "stop" and ended.token_ids == full.token_ids[:4]
+    ignoring = dec.generate("What is the", max_tokens=40, ignore_eos=True)
+    assert ignoring.finish_reason == "length" and len(ignoring.token_ids) == 40 and end not in ignoring.token_ids
+    assert ignoring.token_ids[:4] == full.token_ids[:4]
+    with Scheduler(dec) as scheduler:
+        ids = dec.encode_prompt("What is the")
+        assert scheduler.submit(ids, SamplingParams(max_tokens=40)).result().token_ids == ended.token_ids
+        served = scheduler.submit(ids, SamplingParams(max_tokens=40, ignore_eos=True)).result()
+    assert served.token_ids == ignoring.token_ids and served.finish_reason == "length"

