@@ -44,10 +44,10 @@ class ChatState:
 
 def create_chat_app(decoder: Decoder, *, model_ids: tuple[str, ...], config: SchedulerConfig | None = None,
                     api_key: str | None = None, limits: Limits | None = None,
-                    linear: str = "numpy") -> ASGIApp:  # fmt: skip
+                    engine: dict[str, str] | None = None) -> ASGIApp:  # fmt: skip
     """The app serving ``decoder`` (loaded already) as ``model_ids[0]``; its engine thread starts here, and
-    finishes every request it holds when the app shuts down. ``linear`` names what runs its GEMMs (``/ready``
-    says it)."""
+    finishes every request it holds when the app shuts down. ``engine`` names what runs its slots (``/ready``
+    says it: e.g. ``{"linear": "int8", "attention": "c"}``)."""
     limits = limits or Limits()
     scheduler = Scheduler(decoder, config, on_step=lambda *step: metrics.observe_step(*step))
     metrics = ChatMetrics(scheduler)
@@ -68,8 +68,8 @@ def create_chat_app(decoder: Decoder, *, model_ids: tuple[str, ...], config: Sch
 
     @app.get("/ready", tags=["ops"])
     async def ready(request: Request) -> dict[str, Any]:
-        """200: the model is loaded before the server listens; ``linear``: what runs its weight GEMMs."""
-        return {"status": "ready", "model": model_ids[0], "linear": linear}
+        """200: the model is loaded before the server listens; ``engine``: what runs its slots."""
+        return {"status": "ready", "model": model_ids[0], "engine": engine or {}}
 
     app.include_router(_chat.router, dependencies=[Depends(user_auth)])
     install_openapi(app, limits, keyed=state.api_key is not None, model_ids=model_ids, unstated=_UNSTATED)

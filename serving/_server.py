@@ -81,12 +81,14 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
 
 def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key_env: str | None = None,
                limits: Limits | None = None, scheduler: SchedulerConfig | None = None,
-               drain_timeout: float = 30.0, linear: str = "numpy", threads: int | None = None) -> int:  # fmt: skip
+               drain_timeout: float = 30.0, linear: str = "numpy", attention: str = "c",
+               threads: int | None = None) -> int:  # fmt: skip
     """Serves the chat model of the GGUF file ``path`` on the decoder engine until a signal; returns the exit code.
 
     ``linear``: ``numpy`` runs the weight GEMMs and the LM head in numpy (BLAS); ``fp32``, ``int8`` or ``bf16``
-    on the linear slot's C kernel of that precision (:func:`runtime.decoder.kernels.decoder_ops`). ``threads``
-    caps BLAS, or sets the kernels' OpenMP team (default: every core).
+    on the linear slot's C kernel of that precision (:func:`runtime.decoder.kernels.decoder_ops`). ``attention``:
+    ``c`` runs each decode step's attention in one call of the attention_decode task's kernel, ``numpy`` one
+    sequence at a time. ``threads`` caps BLAS, and sets the kernels' OpenMP team (default: every core).
 
     Raises :class:`ServeError` for what the user can fix (a file the decoder cannot load, missing key, busy
     port). The model loads before the port is taken.
@@ -106,18 +108,22 @@ def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, a
     except (GGUFLoadError, ChatTemplateError) as exc:
         raise ServeError(f"--gguf: {exc}") from None
     _engine_threads(threads)
-    if linear != "numpy":
-        from runtime.decoder.kernels import DecoderKernelError, decoder_ops
+    from runtime.decoder import DecoderOps
+    from runtime.decoder.kernels import DecoderKernelError, c_decode_attention, decoder_ops
 
+    team = threads or len(os.sched_getaffinity(0))
+    ops = DecoderOps(decode_attention=c_decode_attention(threads=team)) if attention == "c" else DecoderOps()
+    if linear != "numpy":
         try:
-            decoder.ops = decoder_ops(decoder.model, linear, threads=threads or os.cpu_count() or 1)  # type: ignore[arg-type]
+            ops = decoder_ops(decoder.model, linear, threads=team, base=ops)  # type: ignore[arg-type]
         except DecoderKernelError as exc:
             raise ServeError(f"--linear {linear}: {exc}") from None
+    decoder.ops = ops
     app = create_chat_app(decoder, model_ids=(path.stem, path.name), config=scheduler, api_key=api_key,
-                          limits=limits, linear=linear)  # fmt: skip
+                          limits=limits, engine={"linear": linear, "attention": attention})  # fmt: skip
     cfg = decoder.model.config
-    _log_start(f"{path.name} ({cfg.architecture}, {cfg.layers} layers, context {cfg.context}, linear {linear})", host,
-               port, api_key)  # fmt: skip
+    what = f"{cfg.architecture}, {cfg.layers} layers, context {cfg.context}, linear {linear}, attention {attention}"
+    _log_start(f"{path.name} ({what})", host, port, api_key)
     return _run(app, host, port, drain_timeout)
 
 

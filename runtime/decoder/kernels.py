@@ -14,7 +14,8 @@ BLAS follows its own variable.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -23,14 +24,15 @@ import numpy as np
 
 from genome import Genome
 from runtime.decoder.model import DecoderModel
-from runtime.decoder.ops import DecoderOps, np_linear
+from runtime.decoder.ops import DecoderOps, np_decode_attention, np_linear
 from runtime.hardware import cpu_flags
 from runtime.settings import CompilerSettings
 from runtime.task import load_task_class
 from runtime.tasks._linear import LinearTask
 from runtime.toolchain.cc import CKernel, compile_source, load_kernel
 
-__all__ = ["MATRICES", "PRECISIONS", "DecoderKernelError", "Precision", "decoder_ops", "linear_task"]
+__all__ = ["MATRICES", "PRECISIONS", "DecoderKernelError", "Precision", "c_decode_attention", "decoder_ops",
+           "linear_task"]  # fmt: skip
 
 Precision = Literal["fp32", "int8", "bf16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -177,5 +179,52 @@ def decoder_ops(
             return np_head(x, w)
         return _run(head, x)
 
-    return DecoderOps(linear=linear, rmsnorm=base.rmsnorm, rope=base.rope, attention=base.attention,
-                      swiglu=base.swiglu, lm_head=lm_head)  # fmt: skip
+    return dataclasses.replace(base, linear=linear, lm_head=lm_head)
+
+
+def c_decode_attention(
+    genome: Genome | None = None,
+    *,
+    threads: int = 1,
+    compiler: CompilerSettings | None = None,
+    cache_dir: str | Path | None = None,
+) -> Callable[[np.ndarray, Sequence[np.ndarray], Sequence[np.ndarray], Sequence[int]], np.ndarray]:
+    """The ``decode_attention`` slot on the ``attention_decode`` task's kernel (``genome``, default its template
+    seed), compiled for ``threads`` threads: every decoding sequence of a step in one call, over the caches where
+    they are (each passed as its offset from the first). Caches it cannot address so (not fp32 and contiguous)
+    run in numpy."""
+    from runtime.tasks.attention_decode import AttentionDecode
+
+    task = AttentionDecode({"threads": threads})
+    cache = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE
+    cache.mkdir(parents=True, exist_ok=True)
+    built = compile_source(task.render(genome or task.seeds()[-1]), compiler=compiler or CompilerSettings(),
+                           extra_flags=task.compile_flags(), cache_dir=str(cache))  # fmt: skip
+    kernel = load_kernel(built.path, task.kernel_name)
+    one, index = np.zeros((1, 1, 1), np.float32), np.zeros(1, np.int64)
+    call = kernel.caller(task.slot_args({"q": one, "kv_heads": 1, "k": one, "v": one, "k_off": index, "v_off": index,
+                                         "length": index.astype(np.int32), "capacity": index.astype(np.int32)},
+                                        one))  # fmt: skip
+
+    def offsets(arrays: Sequence[np.ndarray]) -> np.ndarray | None:
+        base = arrays[0].ctypes.data
+        off = np.array([a.ctypes.data - base for a in arrays], np.int64)
+        ok = all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays) and not (off % 4).any()
+        return off // 4 if ok else None
+
+    def decode_attention(q: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray],
+                         lengths: Sequence[int]) -> np.ndarray:  # fmt: skip
+        k_off, v_off = offsets(keys), offsets(values)
+        if k_off is None or v_off is None:
+            return np_decode_attention(q, keys, values, lengths)
+        q = np.ascontiguousarray(q, np.float32)
+        b, heads, d = q.shape
+        length = np.asarray(lengths, np.int32)
+        capacity = np.array([k.shape[1] for k in keys], np.int32)
+        out = np.empty_like(q)
+        call(b, heads, keys[0].shape[0], d, q.ctypes.data, keys[0].ctypes.data, values[0].ctypes.data,
+             k_off.ctypes.data, v_off.ctypes.data, length.ctypes.data, capacity.ctypes.data, out.ctypes.data)
+        return out
+
+    decode_attention.kernel = kernel  # type: ignore[attr-defined]  # alive as long as the function
+    return decode_attention

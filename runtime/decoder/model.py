@@ -134,6 +134,8 @@ class DecoderModel:
         offsets = np.concatenate(([0], np.cumsum(counts)))
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
         cos, sin = self.rope_tables(positions)
+        decoding = np.flatnonzero(np.asarray(counts) == 1)  # sequences bringing one token: a decode step
+        lengths = [starts[i] + 1 for i in decoding]
         q_w, kv_w, d = cfg.q_width, cfg.kv_width, cfg.head_dim
         x = self.embed[flat]  # a copy: the residual stream, updated in place
         for li, layer in enumerate(self.layers):
@@ -145,7 +147,12 @@ class DecoderModel:
             for i, cache in enumerate(caches):
                 rows = slice(offsets[i], offsets[i + 1])
                 keys, values = cache.write(li, k[rows], v[rows])
-                ctx[rows] = ops.attention(q[rows], keys, values, starts[i]).reshape(counts[i], q_w)
+                if counts[i] > 1:  # a prompt's chunk; the decoding sequences go together, below
+                    ctx[rows] = ops.attention(q[rows], keys, values, starts[i]).reshape(counts[i], q_w)
+            if len(decoding):
+                got = ops.decode_attention(q[offsets[decoding]], [caches[i].k[li] for i in decoding],
+                                           [caches[i].v[li] for i in decoding], lengths)  # fmt: skip
+                ctx[offsets[decoding]] = got.reshape(len(decoding), q_w)
             x += ops.linear(ctx, layer.w_o, None)
             x += ops.linear(ops.swiglu(ops.linear(ops.rmsnorm(x, layer.ffn_norm, cfg.eps), layer.w_gate_up, None)),
                             layer.w_down, None)  # fmt: skip

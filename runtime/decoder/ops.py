@@ -12,6 +12,10 @@ it owns) and leaves its inputs alone. All arithmetic is fp32.
 - ``attention(q [t, heads, d], k [kv_heads, L, d], v [kv_heads, L, d], start) -> [t, heads, d]``: scaled dot
   product attention of ``t`` queries at positions ``start..start+t-1`` over ``L = start + t`` cached keys,
   causal; query head ``h`` reads key-value head ``h // (heads / kv_heads)`` (grouped-query attention).
+- ``decode_attention(q [B, heads, d], keys, values, lengths) -> [B, heads, d]``: one decode step's attention for
+  ``B`` sequences at once, each one query (its newest position) over its own cache: ``keys[i]`` and
+  ``values[i]`` are sequence ``i``'s whole cache arrays of the layer (``[kv_heads, capacity_i, d]``, C-contiguous),
+  the first ``lengths[i]`` positions filled (the query's own included).
 - ``swiglu(gu [T, 2I]) -> [T, I]``: ``silu(gate) * up`` of the fused projection (gate first).
 - ``lm_head(x [T, H], w [vocab, H]) -> [T, vocab]``: the logits, ``x @ w.T`` (``w`` is the embedding matrix
   where the model ties them).
@@ -19,15 +23,15 @@ it owns) and leaves its inputs alone. All arithmetic is fp32.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DECODER_SLOTS", "DecoderOps", "np_attention", "np_linear", "np_lm_head", "np_rmsnorm", "np_rope",
-           "np_swiglu"]  # fmt: skip
+__all__ = ["DECODER_SLOTS", "DecoderOps", "np_attention", "np_decode_attention", "np_linear", "np_lm_head",
+           "np_rmsnorm", "np_rope", "np_swiglu"]  # fmt: skip
 
-DECODER_SLOTS = ("linear", "rmsnorm", "rope", "attention", "swiglu", "lm_head")
+DECODER_SLOTS = ("linear", "rmsnorm", "rope", "attention", "decode_attention", "swiglu", "lm_head")
 """The decoder's operator slots."""
 
 
@@ -73,6 +77,14 @@ def np_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.
     return out.reshape(heads, t, d).transpose(1, 0, 2)
 
 
+def np_decode_attention(q: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray],
+                        lengths: Sequence[int]) -> np.ndarray:  # fmt: skip
+    out = np.empty_like(q)
+    for i, (k, v, n) in enumerate(zip(keys, values, lengths, strict=True)):
+        out[i] = np_attention(q[i : i + 1], k[:, :n], v[:, :n], n - 1)[0]
+    return out
+
+
 def np_swiglu(gu: np.ndarray) -> np.ndarray:
     half = gu.shape[-1] // 2
     gate, up = gu[:, :half], gu[:, half:]
@@ -97,5 +109,7 @@ class DecoderOps:
     rmsnorm: Callable[[np.ndarray, np.ndarray, float], np.ndarray] = np_rmsnorm
     rope: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] = np_rope
     attention: Callable[[np.ndarray, np.ndarray, np.ndarray, int], np.ndarray] = np_attention
+    decode_attention: Callable[[np.ndarray, Sequence[np.ndarray], Sequence[np.ndarray], Sequence[int]],
+                               np.ndarray] = np_decode_attention  # fmt: skip
     swiglu: Callable[[np.ndarray], np.ndarray] = np_swiglu
     lm_head: Callable[[np.ndarray, np.ndarray], np.ndarray] = np_lm_head

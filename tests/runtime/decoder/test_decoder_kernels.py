@@ -4,15 +4,18 @@ floor against fp32 and still answers, and under ``EVOFORGE_CPU_ISA=avx2`` the AV
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from genome import Genome
 from runtime.decoder import Decoder, DecoderModel, DecoderOps, Layer
 from runtime.decoder.fidelity import DEFAULT_FLOOR, Fidelity, Floor, divergence, fidelity, forced_logits
-from runtime.decoder.kernels import DecoderKernelError, decoder_ops, linear_task
+from runtime.decoder.kernels import DecoderKernelError, c_decode_attention, decoder_ops, linear_task
 from runtime.hardware import cpu_flags
+from runtime.tasks._common import load_c_source
 from runtime.tasks.linear_int8 import int8_linear_reference, pack_int8
 
 RNG = np.random.default_rng(11)
@@ -101,6 +104,33 @@ def test_tiny_decoders_on_c_kernels_follow_numpy(case, tiny_models, sentences, k
     assert fp32.top1 == 1.0 and fp32.mean_kl < 1e-8
     int8 = fidelity(model, reference, decoder_ops(model, "int8", cache_dir=kernel_cache), sentences[:8])
     assert int8.top1 >= 0.9 and 1e-7 < int8.mean_kl < 0.05, int8
+
+
+@tiny_group
+def test_decode_attention_in_c_follows_numpy(llama, sentences, kernel_cache):
+    """Five sequences of different lengths decode together, their caches growing (moving) on the way: the C decode
+    attention gives numpy's logits at every step; a prompt chunk among decoding sequences is still right."""
+    model = llama.decoder.model
+    ops = {"numpy": DecoderOps(), "c": DecoderOps(decode_attention=c_decode_attention(cache_dir=kernel_cache))}
+    prompts = [model.tokenizer.encode(s) for s in sentences[:5]]
+    assert len({len(p) for p in prompts}) > 1
+    caches = {name: [model.new_cache(4) for _ in prompts] for name in ops}
+    logits = {name: model.forward(prompts, caches[name], op) for name, op in ops.items()}
+    for _ in range(24):
+        tokens = [[int(t)] for t in logits["numpy"].argmax(axis=1)]
+        logits = {name: model.forward(tokens, caches[name], op) for name, op in ops.items()}
+        scale = np.abs(logits["numpy"]).max()
+        np.testing.assert_allclose(logits["c"], logits["numpy"], rtol=1e-4, atol=1e-4 * scale)
+    assert caches["c"][0].capacity > 4
+    late = [model.new_cache(4) for _ in ops]
+    mixed = {name: model.forward([prompts[1], *tokens[1:]], [late[i], *caches[name][1:]], op)
+             for i, (name, op) in enumerate(ops.items())}  # fmt: skip
+    np.testing.assert_allclose(mixed["c"], mixed["numpy"], rtol=1e-4, atol=1e-4 * np.abs(mixed["numpy"]).max())
+    # the kernel given is the one that runs: one that reads another head's keys changes the logits
+    source = load_c_source("attention_decode_naive.c").replace("(long)(h / group)", "(long)(h % kv_heads)")
+    wrong = DecoderOps(decode_attention=c_decode_attention(Genome(params={}, source=source), cache_dir=kernel_cache))
+    got = model.forward(tokens, copy.deepcopy(caches["numpy"]), wrong)
+    assert np.abs(got - model.forward(tokens, caches["numpy"], ops["numpy"])).max() > 1e-2 * scale
 
 
 @tiny_group

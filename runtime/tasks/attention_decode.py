@@ -1,0 +1,153 @@
+"""The built-in ``attention_decode`` task: a decode step's attention, one new query token per sequence over its
+KV cache, with grouped-query heads, fp32, for a batch of sequences at different lengths (the decoder's
+``decode_attention`` slot, :mod:`runtime.decoder.ops`).
+
+Each sequence's cache is its own array in the engine. The kernel takes one base pointer for the keys and one
+for the values, and each sequence's offsets from them (in floats), its filled length and its capacity: in the
+engine the base is the first sequence's cache; here, one buffer holds every sequence's cache, the positions past
+each length filled with NaN, so a kernel that reads past a sequence's keys fails the check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from genome import Genome, ParamSpace, Pow2Param
+from runtime.slots import Slot, SlotTask
+from runtime.task import Case, Descriptor, TaskArgs
+from runtime.tasks._common import load_c_source
+
+__all__ = ["AttentionDecode", "cache_layout"]
+
+
+class AttentionDecodeArgs(TaskArgs):
+    """Shape of the timed case (default: SmolLM2-135M's heads, 8 sequences with up to 512 cached positions)."""
+
+    batch: int = Field(8, ge=1, description="sequences decoding together")
+    heads: int = Field(9, ge=1, description="query heads")
+    kv_heads: int = Field(3, ge=1, description="key-value heads (heads is a multiple of it)")
+    head_dim: int = Field(64, ge=1, description="dimensions per head")
+    length: int = Field(512, ge=1, description="cached positions of the longest sequence (the others hold fewer)")
+
+    @model_validator(mode="after")
+    def _grouped(self) -> AttentionDecodeArgs:
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        return self
+
+
+def cache_layout(case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """Each sequence's filled length and capacity for ``case``: lengths spread from ``length`` down to about
+    half of it, capacities 0 to 16 positions more (deterministic, so the work of a case is known)."""
+    batch, length = case["batch"], case["length"]
+    lengths = np.array([max(1, length - (b * length) // (2 * batch)) for b in range(batch)], np.int32)
+    return lengths, lengths + np.int32(8) * (np.arange(batch, dtype=np.int32) % 3)
+
+
+class AttentionDecode(SlotTask):
+    """Decode attention over per-sequence caches; the template varies vector width and keys per block."""
+
+    name = "attention_decode"
+    unit = "GB/s"
+    description = ("fp32 attention of one query token per sequence over its KV cache, grouped-query heads, "
+                   "a batch of sequences at different lengths")  # fmt: skip
+    signature = ("void kernel(int batch, int heads, int kv_heads, int d, const float *q, const float *k, "
+                 "const float *v, const long *k_off, const long *v_off, const int *length, const int *capacity, "
+                 "float *out)")  # fmt: skip
+    slot = Slot("decode_attention")
+    Args = AttentionDecodeArgs
+    args: AttentionDecodeArgs
+
+    def space(self) -> ParamSpace:
+        return ParamSpace(
+            {
+                "VEC": Pow2Param(type="pow2", low=4, high=16),
+                "KBLOCK": Pow2Param(type="pow2", low=4, high=128),
+            }
+        )
+
+    def template(self) -> str:
+        return load_c_source("attention_decode_template.c")
+
+    def seeds(self) -> list[Genome]:
+        """The naive three-pass kernel, and a modest template point (the engine's default)."""
+        return [Genome(params={}, source=load_c_source("attention_decode_naive.c")),
+                Genome(params={"VEC": 8, "KBLOCK": 32})]  # fmt: skip
+
+    def compile_flags(self) -> list[str]:
+        return ["-fopenmp"] if self.args.threads > 1 else []
+
+    def full_case(self) -> Case:
+        a = self.args
+        return {"batch": a.batch, "heads": a.heads, "kv_heads": a.kv_heads, "d": a.head_dim, "length": a.length}
+
+    def check_cases(self, rng: np.random.Generator) -> list[Case]:
+        """One sequence of one position; groups of 1 (no GQA) to 12 (more than a kernel may hold at once); head
+        sizes no vector divides; and two drawn."""
+        fixed = [(1, 1, 1, 8, 1), (2, 4, 4, 16, 5), (3, 6, 2, 33, 70), (5, 12, 1, 64, 129), (4, 9, 3, 64, 200)]
+        drawn = [(int(rng.integers(1, 9)), 2 * int(g), 2, int(rng.integers(1, 130)), int(rng.integers(1, 300)))
+                 for g in rng.integers(1, 5, size=2)]  # fmt: skip
+        return [{"batch": b, "heads": h, "kv_heads": kv, "d": d, "length": n} for b, h, kv, d, n in fixed + drawn]
+
+    def inputs(self, case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """Queries and keys as a trained model's (scores spanning several units), values standard normal; every
+        position past a sequence's length is NaN."""
+        b, h, kv, d = case["batch"], case["heads"], case["kv_heads"], case["d"]
+        lengths, caps = cache_layout(case)
+        sizes = kv * caps.astype(np.int64) * d
+        offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        k = np.full(int(sizes.sum()), np.nan, np.float32)
+        v = np.full(int(sizes.sum()), np.nan, np.float32)
+        for i in range(b):
+            for store in (k, v):
+                cache = store[offsets[i] : offsets[i] + sizes[i]].reshape(kv, caps[i], d)
+                cache[:, : lengths[i]] = rng.standard_normal((kv, lengths[i], d), dtype=np.float32)
+        q = rng.standard_normal((b, h, d), dtype=np.float32) * np.float32(2.0)
+        return {"q": q, "k": k, "v": v, "k_off": offsets, "v_off": offsets.copy(), "length": lengths,
+                "capacity": caps}  # fmt: skip
+
+    def outputs(self, case: Case) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        return {"out": ((case["batch"], case["heads"], case["d"]), np.dtype(np.float32))}
+
+    def reference(self, case: Case, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        """The decoder's numpy attention (its default for the slot), one sequence at a time."""
+        from runtime.decoder.ops import np_attention
+
+        kv, d = case["kv_heads"], case["d"]
+        for i, (n, cap) in enumerate(zip(inputs["length"], inputs["capacity"], strict=True)):
+            size = kv * int(cap) * d
+            k = inputs["k"][inputs["k_off"][i] : inputs["k_off"][i] + size].reshape(kv, cap, d)[:, :n]
+            v = inputs["v"][inputs["v_off"][i] : inputs["v_off"][i] + size].reshape(kv, cap, d)[:, :n]
+            outputs["out"][i] = np_attention(inputs["q"][i : i + 1], k, v, int(n) - 1)[0]
+
+    def slot_args(self, operands: Mapping[str, Any], out: np.ndarray) -> list[Any]:
+        """``operands``: ``q`` [batch, heads, d], and ``k``, ``v``, ``k_off``, ``v_off``, ``length``, ``capacity``
+        as :func:`runtime.decoder.ops.decode_attention_operands` gives them."""
+        q = operands["q"]
+        b, h, d = q.shape
+        return [b, h, int(operands["kv_heads"]), d, q, operands["k"], operands["v"], operands["k_off"],
+                operands["v_off"], operands["length"], operands["capacity"], out]  # fmt: skip
+
+    def kernel_args(self, case: Case, arrays: Mapping[str, np.ndarray]) -> list[Any]:
+        return [case["batch"], case["heads"], case["kv_heads"], case["d"], arrays["q"], arrays["k"], arrays["v"],
+                arrays["k_off"], arrays["v_off"], arrays["length"], arrays["capacity"], arrays["out"]]  # fmt: skip
+
+    def tolerance(self, case: Case) -> tuple[float, float]:
+        """A weighted mean of standard normal values: fp32 sums over up to a few hundred positions."""
+        return (1e-4, 1e-5 * max(1.0, case["length"] ** 0.5))
+
+    def work(self, case: Case) -> float:
+        """Bytes of keys and values read (the queries and outputs stay in cache)."""
+        lengths, _ = cache_layout(case)
+        return float(lengths.sum()) * case["kv_heads"] * case["d"] * 8 / 1e9
+
+    def descriptors(self) -> dict[str, Descriptor]:
+        return {
+            **super().descriptors(),
+            "key_block": Descriptor("key_block", "KBLOCK: keys scored before each softmax update",
+                                    lambda g, m: float(g.params.get("KBLOCK", 1)), 0.0, 128.0),  # fmt: skip
+        }

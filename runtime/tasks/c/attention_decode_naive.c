@@ -1,0 +1,39 @@
+/* Naive decode attention with grouped-query heads, fp32: one new query token per sequence over its KV cache.
+ *
+ * Sequence b's cache holds keys at k + k_off[b] and values at v + v_off[b], each [kv_heads, capacity[b], d];
+ * its first length[b] positions are filled. Query head h reads KV head h / (heads / kv_heads):
+ * out[b, h] = softmax(q[b, h] . k[j] / sqrt(d)) @ v over j < length[b]. Three passes over the keys.
+ */
+#include <math.h>
+
+void kernel(int batch, int heads, int kv_heads, int d, const float *q, const float *k, const float *v,
+            const long *k_off, const long *v_off, const int *length, const int *capacity, float *out)
+{
+    /* EVOLVE-BLOCK-START */
+    const int group = heads / kv_heads;
+    const float scale = 1.0f / sqrtf((float)d);
+    for (int b = 0; b < batch; b++) {
+        for (int h = 0; h < heads; h++) {
+            const long at = (long)(h / group) * capacity[b] * d;
+            const float *kh = k + k_off[b] + at, *vh = v + v_off[b] + at, *qh = q + ((long)b * heads + h) * d;
+            float *o = out + ((long)b * heads + h) * d;
+            float max = -INFINITY;
+            for (int j = 0; j < length[b]; j++) {
+                float s = 0.0f;
+                for (int c = 0; c < d; c++) s += qh[c] * kh[(long)j * d + c];
+                max = fmaxf(max, s * scale);
+            }
+            float sum = 0.0f;
+            for (int c = 0; c < d; c++) o[c] = 0.0f;
+            for (int j = 0; j < length[b]; j++) {
+                float s = 0.0f;
+                for (int c = 0; c < d; c++) s += qh[c] * kh[(long)j * d + c];
+                const float p = expf(s * scale - max);
+                sum += p;
+                for (int c = 0; c < d; c++) o[c] += p * vh[(long)j * d + c];
+            }
+            for (int c = 0; c < d; c++) o[c] /= sum;
+        }
+    }
+    /* EVOLVE-BLOCK-END */
+}

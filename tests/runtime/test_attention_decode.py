@@ -1,0 +1,53 @@
+"""The attention_decode task: its kernels against the decoder's numpy attention, in process and in the sandbox."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from runtime_helpers import make_settings, request, run
+from test_tasks import assert_correct, compile_kernel, random_points
+
+from genome import Genome
+from runtime.result import Status
+from runtime.settings import TaskSpec
+from runtime.tasks._common import load_c_source
+from runtime.tasks.attention_decode import AttentionDecode
+
+
+def test_seeds_and_template_points_are_correct(tmp_path: Path) -> None:
+    task = AttentionDecode()
+    for genome in [*task.seeds(), *random_points(task, 6, seed=3)]:
+        assert_correct(task, compile_kernel(task, genome, tmp_path), np.random.default_rng(0))
+
+
+def test_threads_share_the_sequences(tmp_path: Path) -> None:
+    task = AttentionDecode({"threads": 2})
+    assert "-fopenmp" in task.compile_flags()
+    assert_correct(task, compile_kernel(task, task.seeds()[-1], tmp_path), np.random.default_rng(1))
+
+
+@pytest.mark.parametrize(("wrong", "right"), [
+    ("j < length[b]", "j <= length[b]"),
+    ("(long)(h / group)", "(long)(h % kv_heads)"),
+], ids=["reads-one-key-past-the-length", "maps-query-heads-to-the-wrong-kv-head"])  # fmt: skip
+def test_a_kernel_that_reads_the_wrong_keys_fails(wrong: str, right: str, tmp_path: Path) -> None:
+    """A key past a sequence's length (NaN here) or a query head on another head's keys is caught."""
+    source = load_c_source("attention_decode_naive.c")
+    assert wrong in source
+    task = AttentionDecode()
+    fn = compile_kernel(task, Genome(params={}, source=source.replace(wrong, right)), tmp_path)
+    with pytest.raises(AssertionError, match="elements off"):
+        assert_correct(task, fn, np.random.default_rng(0))
+
+
+@pytest.mark.exclusive  # it compares two timings
+def test_the_sandbox_checks_and_times_it(tmp_path: Path, pool) -> None:
+    spec = TaskSpec(name="attention_decode", args={"batch": 4, "length": 256})
+    template = request(str(tmp_path), task=spec, params={"VEC": 8, "KBLOCK": 32}, settings=make_settings(str(tmp_path)))
+    got = run(pool, template, timeout=120)
+    assert got.status == Status.OK, got.error
+    naive = AttentionDecode().seeds()[0].source
+    slow = run(pool, request(str(tmp_path), naive, task=spec), timeout=120)
+    assert slow.status == Status.OK and 0 < slow.fitness < got.fitness
