@@ -38,7 +38,7 @@ __all__ = ["serve"]
               help="--gguf: KV cache the running requests may hold together (each holds its prompt plus max_tokens)")
 @click.option("--max-waiting", default=64, show_default=True, type=click.IntRange(min=0),
               help="--gguf: requests that wait for KV cache; more get 429")
-@click.option("--step-tokens", default=256, show_default=True, type=click.IntRange(min=1),
+@click.option("--step-tokens", default=64, show_default=True, type=click.IntRange(min=1),
               help="--gguf: tokens one engine step runs (a token of each decoding request, then prompt chunks)")
 @click.option("--linear", type=click.Choice(["numpy", "fp32", "int8", "bf16"]), default="numpy", show_default=True,
               help="--gguf: what runs the weight GEMMs and the LM head: numpy (fp32, BLAS) or the linear slot's C "

@@ -88,7 +88,8 @@ def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, a
     ``linear``: ``numpy`` runs the weight GEMMs and the LM head in numpy (BLAS); ``fp32``, ``int8`` or ``bf16``
     on the linear slot's C kernel of that precision (:func:`runtime.decoder.kernels.decoder_ops`). ``attention``:
     ``c`` runs each decode step's attention in one call of the attention_decode task's kernel, ``numpy`` one
-    sequence at a time. ``threads`` caps BLAS, and sets the kernels' OpenMP team (default: every core).
+    sequence at a time. ``threads`` (default: every core) runs the GEMMs: BLAS's under ``numpy`` (the attention
+    kernel then has one thread), else the kernels' OpenMP team (BLAS then has one).
 
     Raises :class:`ServeError` for what the user can fix (a file the decoder cannot load, missing key, busy
     port). The model loads before the port is taken.
@@ -107,12 +108,16 @@ def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, a
         decoder = Decoder.load(path)
     except (GGUFLoadError, ChatTemplateError) as exc:
         raise ServeError(f"--gguf: {exc}") from None
-    _engine_threads(threads)
     from runtime.decoder import DecoderOps
     from runtime.decoder.kernels import DecoderKernelError, c_decode_attention, decoder_ops
 
+    # One thread pool works at a time: OpenMP's threads spin a while after each kernel, and BLAS threads woken
+    # beside them fight them for the cores (measured: a decode step 2x slower). The team runs the GEMMs; the
+    # other pool gets one thread.
     team = threads or len(os.sched_getaffinity(0))
-    ops = DecoderOps(decode_attention=c_decode_attention(threads=team)) if attention == "c" else DecoderOps()
+    openmp = team if linear != "numpy" else 1
+    _engine_threads(openmp=openmp, blas=1 if linear != "numpy" else team)
+    ops = DecoderOps(decode_attention=c_decode_attention(threads=openmp)) if attention == "c" else DecoderOps()
     if linear != "numpy":
         try:
             ops = decoder_ops(decoder.model, linear, threads=team, base=ops)  # type: ignore[arg-type]
@@ -127,14 +132,12 @@ def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, a
     return _run(app, host, port, drain_timeout)
 
 
-def _engine_threads(threads: int | None) -> None:
-    """Caps BLAS at ``threads`` and makes it the C kernels' OpenMP team (read when the first kernel loads)."""
-    if threads is None:
-        return
+def _engine_threads(*, openmp: int, blas: int) -> None:
+    """The C kernels' OpenMP team (read when the first kernel loads) and BLAS's threads."""
     from threadpoolctl import threadpool_limits
 
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    threadpool_limits(limits=threads, user_api="blas")
+    os.environ["OMP_NUM_THREADS"] = str(openmp)
+    threadpool_limits(limits=blas, user_api="blas")
 
 
 def _api_key(api_key_env: str | None) -> str | None:

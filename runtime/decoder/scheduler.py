@@ -62,7 +62,7 @@ class SchedulerConfig:
 
     kv_budget_bytes: int = 2 << 30
     max_waiting: int = 64
-    step_tokens: int = 256
+    step_tokens: int = 64
     max_running: int = 64
 
     def __post_init__(self) -> None:

@@ -268,7 +268,8 @@ def test_a_full_kv_budget_and_queue_get_429_then_sigterm_drains(tiny_gguf: Path)
 
         u = urlsplit(srv.url)
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "go", "max_tokens": 300, "stream": True}),
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "go", "max_tokens": 300, "stream": True,
+                                                                "ignore_eos": True}),
                      {"content-type": "application/json"})  # fmt: skip
         reply = conn.getresponse()
         first = reply.readline()
