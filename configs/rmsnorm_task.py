@@ -60,7 +60,7 @@ class RMSNormArgs(TaskArgs):
 
 
 class RMSNorm(KernelTask):
-    name = "rmsnorm"
+    name = "rmsnorm_user"
     unit = "GB/s"
     description = "Row-wise RMS normalisation with a learned scale, fp32."
     signature = "void kernel(int rows, int cols, float eps, const float *x, const float *w, float *y)"

@@ -244,6 +244,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "linear_int8_avx2": "runtime.tasks.linear_int8_avx2:LinearInt8Avx2",
     "linear_f32": "runtime.tasks.linear_f32:LinearF32",
     "attention_decode": "runtime.tasks.attention_decode:AttentionDecode",
+    "rmsnorm": "runtime.tasks.rmsnorm:RMSNorm",
     "matmul_cuda": "runtime.tasks.matmul_cuda:MatmulCuda",
     "softmax_cuda": "runtime.tasks.softmax_cuda:SoftmaxCuda",
     "engine": "runtime.engine.task:EngineTask",

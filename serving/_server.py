@@ -81,15 +81,16 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
 
 def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key_env: str | None = None,
                limits: Limits | None = None, scheduler: SchedulerConfig | None = None,
-               drain_timeout: float = 30.0, linear: str = "numpy", attention: str = "c",
+               drain_timeout: float = 30.0, linear: str = "numpy", slots: str = "c",
                threads: int | None = None) -> int:  # fmt: skip
     """Serves the chat model of the GGUF file ``path`` on the decoder engine until a signal; returns the exit code.
 
     ``linear``: ``numpy`` runs the weight GEMMs and the LM head in numpy (BLAS); ``fp32``, ``int8`` or ``bf16``
-    on the linear slot's C kernel of that precision (:func:`runtime.decoder.kernels.decoder_ops`). ``attention``:
-    ``c`` runs each decode step's attention in one call of the attention_decode task's kernel, ``numpy`` one
-    sequence at a time. ``threads`` (default: every core) runs the GEMMs: BLAS's under ``numpy`` (the attention
-    kernel then has one thread), else the kernels' OpenMP team (BLAS then has one).
+    on the linear slot's C kernel of that precision (:func:`runtime.decoder.kernels.decoder_ops`). ``slots``:
+    ``c`` runs each decode step's attention in one call of the attention_decode task's kernel, and RMSNorm on
+    the rmsnorm task's; ``numpy`` runs them in numpy (the attention a sequence at a time). ``threads`` (default:
+    every core) runs the GEMMs: BLAS's under ``numpy`` (the other kernels then have one thread), else the
+    kernels' OpenMP team (BLAS then has one).
 
     Raises :class:`ServeError` for what the user can fix (a file the decoder cannot load, missing key, busy
     port). The model loads before the port is taken.
@@ -109,7 +110,7 @@ def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, a
     except (GGUFLoadError, ChatTemplateError) as exc:
         raise ServeError(f"--gguf: {exc}") from None
     from runtime.decoder import DecoderOps
-    from runtime.decoder.kernels import DecoderKernelError, c_decode_attention, decoder_ops
+    from runtime.decoder.kernels import DecoderKernelError, c_decode_attention, c_rmsnorm, decoder_ops
 
     # One thread pool works at a time: OpenMP's threads spin a while after each kernel, and BLAS threads woken
     # beside them fight them for the cores (measured: a decode step 2x slower). The team runs the GEMMs; the
@@ -117,7 +118,9 @@ def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, a
     team = threads or len(os.sched_getaffinity(0))
     openmp = team if linear != "numpy" else 1
     _engine_threads(openmp=openmp, blas=1 if linear != "numpy" else team)
-    ops = DecoderOps(decode_attention=c_decode_attention(threads=openmp)) if attention == "c" else DecoderOps()
+    ops = DecoderOps()
+    if slots == "c":
+        ops = DecoderOps(decode_attention=c_decode_attention(threads=openmp), rmsnorm=c_rmsnorm(threads=1))
     if linear != "numpy":
         try:
             ops = decoder_ops(decoder.model, linear, threads=team, base=ops)  # type: ignore[arg-type]
@@ -125,9 +128,9 @@ def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, a
             raise ServeError(f"--linear {linear}: {exc}") from None
     decoder.ops = ops
     app = create_chat_app(decoder, model_ids=(path.stem, path.name), config=scheduler, api_key=api_key,
-                          limits=limits, engine={"linear": linear, "attention": attention})  # fmt: skip
+                          limits=limits, engine={"linear": linear, "slots": slots})  # fmt: skip
     cfg = decoder.model.config
-    what = f"{cfg.architecture}, {cfg.layers} layers, context {cfg.context}, linear {linear}, attention {attention}"
+    what = f"{cfg.architecture}, {cfg.layers} layers, context {cfg.context}, linear {linear}, slots {slots}"
     _log_start(f"{path.name} ({what})", host, port, api_key)
     return _run(app, host, port, drain_timeout)
 

@@ -27,12 +27,13 @@ from runtime.decoder.model import DecoderModel
 from runtime.decoder.ops import DecoderOps, np_decode_attention, np_linear
 from runtime.hardware import cpu_flags
 from runtime.settings import CompilerSettings
+from runtime.slots import SlotTask
 from runtime.task import load_task_class
 from runtime.tasks._linear import LinearTask
 from runtime.toolchain.cc import CKernel, compile_source, load_kernel
 
-__all__ = ["MATRICES", "PRECISIONS", "DecoderKernelError", "Precision", "c_decode_attention", "decoder_ops",
-           "linear_task"]  # fmt: skip
+__all__ = ["MATRICES", "PRECISIONS", "DecoderKernelError", "Precision", "c_decode_attention", "c_rmsnorm",
+           "decoder_ops", "linear_task"]  # fmt: skip
 
 Precision = Literal["fp32", "int8", "bf16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -182,6 +183,42 @@ def decoder_ops(
     return dataclasses.replace(base, linear=linear, lm_head=lm_head)
 
 
+def _build(task: SlotTask, genome: Genome | None, compiler: CompilerSettings | None,
+           cache_dir: str | Path | None) -> CKernel:  # fmt: skip
+    """``genome`` of ``task`` (default: its last seed, a modest template point) compiled and loaded."""
+    cache = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE
+    cache.mkdir(parents=True, exist_ok=True)
+    built = compile_source(task.render(genome or task.seeds()[-1]), compiler=compiler or CompilerSettings(),
+                           extra_flags=task.compile_flags(), cache_dir=str(cache))  # fmt: skip
+    return load_kernel(built.path, task.kernel_name)
+
+
+def c_rmsnorm(
+    genome: Genome | None = None,
+    *,
+    threads: int = 1,
+    compiler: CompilerSettings | None = None,
+    cache_dir: str | Path | None = None,
+) -> Callable[[np.ndarray, np.ndarray, float], np.ndarray]:
+    """The ``rmsnorm`` slot on the ``rmsnorm`` task's kernel (``genome``, default its template seed)."""
+    from runtime.tasks.rmsnorm import RMSNorm
+
+    task = RMSNorm({"threads": threads})
+    kernel = _build(task, genome, compiler, cache_dir)
+    one = np.zeros((1, 1), np.float32)
+    call = kernel.caller(task.slot_args({"x": one, "w": one[0], "eps": 1.0}, one))
+
+    def rmsnorm(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+        x = np.ascontiguousarray(x, np.float32)
+        g = np.ascontiguousarray(g, np.float32)
+        out = np.empty_like(x)
+        call(x.shape[0], x.shape[1], eps, x.ctypes.data, g.ctypes.data, out.ctypes.data)
+        return out
+
+    rmsnorm.kernel = kernel  # type: ignore[attr-defined]  # alive as long as the function
+    return rmsnorm
+
+
 def c_decode_attention(
     genome: Genome | None = None,
     *,
@@ -196,11 +233,7 @@ def c_decode_attention(
     from runtime.tasks.attention_decode import AttentionDecode
 
     task = AttentionDecode({"threads": threads})
-    cache = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE
-    cache.mkdir(parents=True, exist_ok=True)
-    built = compile_source(task.render(genome or task.seeds()[-1]), compiler=compiler or CompilerSettings(),
-                           extra_flags=task.compile_flags(), cache_dir=str(cache))  # fmt: skip
-    kernel = load_kernel(built.path, task.kernel_name)
+    kernel = _build(task, genome, compiler, cache_dir)
     one, index = np.zeros((1, 1, 1), np.float32), np.zeros(1, np.int64)
     call = kernel.caller(task.slot_args({"q": one, "kv_heads": 1, "k": one, "v": one, "k_off": index, "v_off": index,
                                          "length": index.astype(np.int32), "capacity": index.astype(np.int32)},

@@ -32,7 +32,12 @@ def compile_kernel(task: Task, genome: Genome, tmp_path: Path) -> KernelFn:
 
 
 def call(fn: KernelFn, args: list) -> None:
-    fn(*[a.ctypes.data_as(ctypes.c_void_p) if isinstance(a, np.ndarray) else ctypes.c_int(a) for a in args])
+    def c(a):
+        if isinstance(a, np.ndarray):
+            return a.ctypes.data_as(ctypes.c_void_p)
+        return ctypes.c_float(a) if isinstance(a, float) else ctypes.c_int(a)
+
+    fn(*[c(a) for a in args])
 
 
 def assert_correct(task: Task, fn: KernelFn, rng: np.random.Generator) -> None:
