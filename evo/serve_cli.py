@@ -40,9 +40,10 @@ __all__ = ["serve"]
               help="--gguf: requests that wait for KV cache; more get 429")
 @click.option("--step-tokens", default=64, show_default=True, type=click.IntRange(min=1),
               help="--gguf: tokens one engine step runs (a token of each decoding request, then prompt chunks)")
-@click.option("--linear", type=click.Choice(["numpy", "fp32", "int8", "bf16"]), default="numpy", show_default=True,
+@click.option("--linear", default="numpy", show_default=True, metavar="numpy|PRECISION[:MATRIX=PRECISION,...]",
               help="--gguf: what runs the weight GEMMs and the LM head: numpy (fp32, BLAS) or the linear slot's C "
-              "kernel in fp32, int8 or bf16 (weights quantised at load; see the README for what each holds)")
+              "kernel in fp32, int8 or bf16 (weights quantised at load), a matrix (qkv, o, gate_up, down, "
+              "lm_head) in another if named, e.g. int8:lm_head=fp32 (see the README for what each holds)")
 @click.option("--slots", type=click.Choice(["c", "numpy"]), default="c", show_default=True,
               help="--gguf: the slots besides the GEMMs: c runs a decode step's attention (every decoding request "
               "in one call) and RMSNorm on their tasks' C kernels; numpy runs them in numpy")

@@ -100,32 +100,43 @@ def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, a
     except ImportError as exc:
         raise ServeError(f"serving a GGUF file needs the decoder extra ({exc.name} is missing): "
                          "pip install -c constraints.txt -e '.[serve,decoder]'") from None  # fmt: skip
+    from runtime.decoder import DecoderOps
+    from runtime.decoder.kernels import (
+        DecoderKernelError,
+        c_decode_attention,
+        c_rmsnorm,
+        decoder_ops,
+        linear_task,
+        parse_mix,
+    )
     from serving._chat_app import create_chat_app
 
     path = Path(path)
     api_key = _api_key(api_key_env)
     _check_port(host, port)
+    mix: tuple[str, dict[str, str]] | None = None
+    if linear != "numpy":
+        try:  # a precision this CPU cannot run is refused before the model loads
+            mix = parse_mix(linear)
+            for precision in {mix[0], *mix[1].values()}:
+                linear_task(precision)
+        except DecoderKernelError as exc:
+            raise ServeError(f"--linear {linear}: {exc}") from None
     try:
         decoder = Decoder.load(path)
     except (GGUFLoadError, ChatTemplateError) as exc:
         raise ServeError(f"--gguf: {exc}") from None
-    from runtime.decoder import DecoderOps
-    from runtime.decoder.kernels import DecoderKernelError, c_decode_attention, c_rmsnorm, decoder_ops
-
     # One thread pool works at a time: OpenMP's threads spin a while after each kernel, and BLAS threads woken
     # beside them fight them for the cores (measured: a decode step 2x slower). The team runs the GEMMs; the
     # other pool gets one thread.
     team = threads or len(os.sched_getaffinity(0))
-    openmp = team if linear != "numpy" else 1
-    _engine_threads(openmp=openmp, blas=1 if linear != "numpy" else team)
+    openmp = team if mix else 1
+    _engine_threads(openmp=openmp, blas=1 if mix else team)
     ops = DecoderOps()
     if slots == "c":
         ops = DecoderOps(decode_attention=c_decode_attention(threads=openmp), rmsnorm=c_rmsnorm(threads=1))
-    if linear != "numpy":
-        try:
-            ops = decoder_ops(decoder.model, linear, threads=team, base=ops)  # type: ignore[arg-type]
-        except DecoderKernelError as exc:
-            raise ServeError(f"--linear {linear}: {exc}") from None
+    if mix:
+        ops = decoder_ops(decoder.model, mix[0], matrices=mix[1], threads=team, base=ops)  # type: ignore[arg-type]
     decoder.ops = ops
     app = create_chat_app(decoder, model_ids=(path.stem, path.name), config=scheduler, api_key=api_key,
                           limits=limits, engine={"linear": linear, "slots": slots})  # fmt: skip

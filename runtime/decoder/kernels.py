@@ -23,8 +23,8 @@ from typing import Literal, get_args
 import numpy as np
 
 from genome import Genome
-from runtime.decoder.model import DecoderModel
-from runtime.decoder.ops import DecoderOps, np_decode_attention, np_linear
+from runtime.decoder.model import DecoderModel, KVCache
+from runtime.decoder.ops import DecoderOps, np_linear
 from runtime.hardware import cpu_flags
 from runtime.settings import CompilerSettings
 from runtime.slots import SlotTask
@@ -33,7 +33,7 @@ from runtime.tasks._linear import LinearTask
 from runtime.toolchain.cc import CKernel, compile_source, load_kernel
 
 __all__ = ["MATRICES", "PRECISIONS", "DecoderKernelError", "Precision", "c_decode_attention", "c_rmsnorm",
-           "decoder_ops", "linear_task"]  # fmt: skip
+           "decoder_ops", "linear_task", "parse_mix"]  # fmt: skip
 
 Precision = Literal["fp32", "int8", "bf16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -54,6 +54,22 @@ DEFAULT_CACHE = Path.home() / ".cache" / "evoforge" / "kernels"
 
 class DecoderKernelError(ValueError):
     """No kernel of the precision asked for runs on this CPU, or an unknown precision or matrix was named."""
+
+
+def parse_mix(text: str) -> tuple[str, dict[str, str]]:
+    """``PRECISION[:MATRIX=PRECISION,...]`` (e.g. ``int8:lm_head=fp32,down=fp32``: every matrix in int8 but those
+    named) as :func:`decoder_ops` takes it: the precision and the matrices that differ. Checks the names only."""
+    precision, _, rest = text.partition(":")
+    matrices: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        matrix, eq, p = item.partition("=")
+        if not eq or matrix not in MATRICES or p not in PRECISIONS:
+            raise DecoderKernelError(f"{item!r} in {text!r}: write MATRIX=PRECISION, a matrix of {', '.join(MATRICES)} "
+                                     f"and a precision of {', '.join(PRECISIONS)}")  # fmt: skip
+        matrices[matrix] = p
+    if precision not in PRECISIONS:
+        raise DecoderKernelError(f"no precision {precision!r} in {text!r}: use one of {', '.join(PRECISIONS)}")
+    return precision, matrices
 
 
 def linear_task(precision: str) -> str:
@@ -225,11 +241,10 @@ def c_decode_attention(
     threads: int = 1,
     compiler: CompilerSettings | None = None,
     cache_dir: str | Path | None = None,
-) -> Callable[[np.ndarray, Sequence[np.ndarray], Sequence[np.ndarray], Sequence[int]], np.ndarray]:
+) -> Callable[[np.ndarray, Sequence[KVCache], int, Sequence[int]], np.ndarray]:
     """The ``decode_attention`` slot on the ``attention_decode`` task's kernel (``genome``, default its template
     seed), compiled for ``threads`` threads: every decoding sequence of a step in one call, over the caches where
-    they are (each passed as its offset from the first). Caches it cannot address so (not fp32 and contiguous)
-    run in numpy."""
+    they are (each passed as its offset from the first, from the addresses a cache keeps)."""
     from runtime.tasks.attention_decode import AttentionDecode
 
     task = AttentionDecode({"threads": threads})
@@ -239,23 +254,16 @@ def c_decode_attention(
                                          "length": index.astype(np.int32), "capacity": index.astype(np.int32)},
                                         one))  # fmt: skip
 
-    def offsets(arrays: Sequence[np.ndarray]) -> np.ndarray | None:
-        base = arrays[0].ctypes.data
-        off = np.array([a.ctypes.data - base for a in arrays], np.int64)
-        ok = all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays) and not (off % 4).any()
-        return off // 4 if ok else None
-
-    def decode_attention(q: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray],
-                         lengths: Sequence[int]) -> np.ndarray:  # fmt: skip
-        k_off, v_off = offsets(keys), offsets(values)
-        if k_off is None or v_off is None:
-            return np_decode_attention(q, keys, values, lengths)
+    def decode_attention(q: np.ndarray, caches: Sequence[KVCache], layer: int, lengths: Sequence[int]) -> np.ndarray:
+        where = np.array([c.addresses[layer] for c in caches])  # [B, 2]: keys, values
+        offsets = (where - where[0]) // 4  # floats from the first cache's (every array is 16-byte aligned)
         q = np.ascontiguousarray(q, np.float32)
         b, heads, d = q.shape
         length = np.asarray(lengths, np.int32)
-        capacity = np.array([k.shape[1] for k in keys], np.int32)
+        capacity = np.array([c.capacity for c in caches], np.int32)
+        k_off, v_off = np.ascontiguousarray(offsets[:, 0]), np.ascontiguousarray(offsets[:, 1])
         out = np.empty_like(q)
-        call(b, heads, keys[0].shape[0], d, q.ctypes.data, keys[0].ctypes.data, values[0].ctypes.data,
+        call(b, heads, caches[0].config.kv_heads, d, q.ctypes.data, int(where[0, 0]), int(where[0, 1]),
              k_off.ctypes.data, v_off.ctypes.data, length.ctypes.data, capacity.ctypes.data, out.ctypes.data)
         return out
 

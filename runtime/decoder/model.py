@@ -54,6 +54,12 @@ class KVCache:
         shape = (config.kv_heads, cap, config.head_dim)
         self.k = [np.zeros(shape, np.float32) for _ in range(config.layers)]
         self.v = [np.zeros(shape, np.float32) for _ in range(config.layers)]
+        self.addresses = np.zeros((config.layers, 2), np.int64)  # of each layer's keys and values, for C kernels
+        self._locate()
+
+    def _locate(self) -> None:
+        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            self.addresses[i] = k.__array_interface__["data"][0], v.__array_interface__["data"][0]
 
     @property
     def capacity(self) -> int:
@@ -72,6 +78,7 @@ class KVCache:
                 grown = np.zeros((old.shape[0], cap, old.shape[2]), np.float32)
                 grown[:, : self.length] = old[:, : self.length]
                 store[i] = grown
+        self._locate()
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Stores ``k`` and ``v`` (``[t, kv_heads, d]``) at positions ``length..length+t-1`` of ``layer``; returns
@@ -150,8 +157,7 @@ class DecoderModel:
                 if counts[i] > 1:  # a prompt's chunk; the decoding sequences go together, below
                     ctx[rows] = ops.attention(q[rows], keys, values, starts[i]).reshape(counts[i], q_w)
             if len(decoding):
-                got = ops.decode_attention(q[offsets[decoding]], [caches[i].k[li] for i in decoding],
-                                           [caches[i].v[li] for i in decoding], lengths)  # fmt: skip
+                got = ops.decode_attention(q[offsets[decoding]], [caches[i] for i in decoding], li, lengths)
                 ctx[offsets[decoding]] = got.reshape(len(decoding), q_w)
             x += ops.linear(ctx, layer.w_o, None)
             x += ops.linear(ops.swiglu(ops.linear(ops.rmsnorm(x, layer.ffn_norm, cfg.eps), layer.w_gate_up, None)),

@@ -12,10 +12,11 @@ it owns) and leaves its inputs alone. All arithmetic is fp32.
 - ``attention(q [t, heads, d], k [kv_heads, L, d], v [kv_heads, L, d], start) -> [t, heads, d]``: scaled dot
   product attention of ``t`` queries at positions ``start..start+t-1`` over ``L = start + t`` cached keys,
   causal; query head ``h`` reads key-value head ``h // (heads / kv_heads)`` (grouped-query attention).
-- ``decode_attention(q [B, heads, d], keys, values, lengths) -> [B, heads, d]``: one decode step's attention for
-  ``B`` sequences at once, each one query (its newest position) over its own cache: ``keys[i]`` and
-  ``values[i]`` are sequence ``i``'s whole cache arrays of the layer (``[kv_heads, capacity_i, d]``, C-contiguous),
-  the first ``lengths[i]`` positions filled (the query's own included).
+- ``decode_attention(q [B, heads, d], caches, layer, lengths) -> [B, heads, d]``: one decode step's attention for
+  ``B`` sequences at once, each one query (its newest position) over its own cache: ``caches[i]`` is sequence
+  ``i``'s :class:`runtime.decoder.model.KVCache` (the layer's keys ``k[layer]``, ``[kv_heads, capacity, d]``, and
+  values ``v[layer]``, their addresses in ``addresses[layer]``), the first ``lengths[i]`` positions filled (the
+  query's own included).
 - ``swiglu(gu [T, 2I]) -> [T, I]``: ``silu(gate) * up`` of the fused projection (gate first).
 - ``lm_head(x [T, H], w [vocab, H]) -> [T, vocab]``: the logits, ``x @ w.T`` (``w`` is the embedding matrix
   where the model ties them).
@@ -25,8 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from runtime.decoder.model import KVCache
 
 __all__ = ["DECODER_SLOTS", "DecoderOps", "np_attention", "np_decode_attention", "np_linear", "np_lm_head",
            "np_rmsnorm", "np_rope", "np_swiglu"]  # fmt: skip
@@ -77,11 +82,10 @@ def np_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.
     return out.reshape(heads, t, d).transpose(1, 0, 2)
 
 
-def np_decode_attention(q: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray],
-                        lengths: Sequence[int]) -> np.ndarray:  # fmt: skip
+def np_decode_attention(q: np.ndarray, caches: Sequence[KVCache], layer: int, lengths: Sequence[int]) -> np.ndarray:
     out = np.empty_like(q)
-    for i, (k, v, n) in enumerate(zip(keys, values, lengths, strict=True)):
-        out[i] = np_attention(q[i : i + 1], k[:, :n], v[:, :n], n - 1)[0]
+    for i, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
+        out[i] = np_attention(q[i : i + 1], cache.k[layer][:, :n], cache.v[layer][:, :n], n - 1)[0]
     return out
 
 
@@ -109,7 +113,6 @@ class DecoderOps:
     rmsnorm: Callable[[np.ndarray, np.ndarray, float], np.ndarray] = np_rmsnorm
     rope: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] = np_rope
     attention: Callable[[np.ndarray, np.ndarray, np.ndarray, int], np.ndarray] = np_attention
-    decode_attention: Callable[[np.ndarray, Sequence[np.ndarray], Sequence[np.ndarray], Sequence[int]],
-                               np.ndarray] = np_decode_attention  # fmt: skip
+    decode_attention: Callable[[np.ndarray, Sequence[KVCache], int, Sequence[int]], np.ndarray] = np_decode_attention
     swiglu: Callable[[np.ndarray], np.ndarray] = np_swiglu
     lm_head: Callable[[np.ndarray, np.ndarray], np.ndarray] = np_lm_head

@@ -125,8 +125,9 @@ class AttentionDecode(SlotTask):
             outputs["out"][i] = np_attention(inputs["q"][i : i + 1], k, v, int(n) - 1)[0]
 
     def slot_args(self, operands: Mapping[str, Any], out: np.ndarray) -> list[Any]:
-        """``operands``: ``q`` [batch, heads, d], and ``k``, ``v``, ``k_off``, ``v_off``, ``length``, ``capacity``
-        as :func:`runtime.decoder.ops.decode_attention_operands` gives them."""
+        """``operands``: ``q`` [batch, heads, d], ``kv_heads``, and the first cache's keys and values (``k``, ``v``),
+        each cache's offsets from them, lengths and capacities, as :func:`runtime.decoder.kernels.c_decode_attention`
+        passes them."""
         q = operands["q"]
         b, h, d = q.shape
         return [b, h, int(operands["kv_heads"]), d, q, operands["k"], operands["v"], operands["k_off"],

@@ -318,7 +318,8 @@ def test_engine_options_are_refused_where_they_do_not_apply(tiny_gguf: Path, tmp
 
     for args, says in ((("--gguf", str(tiny_gguf), "--elite", "best"), "--elite does not apply to a chat model"),
                        ((str(tmp_path), "--linear", "int8"), "--linear applies to --gguf only"),
-                       (("--gguf", str(tiny_gguf), "--linear", "int4"), "'int4' is not one of"),
+                       (("--gguf", str(tiny_gguf), "--linear", "int4"), "no precision 'int4'"),
+                       (("--gguf", str(tiny_gguf), "--linear", "int8:head=fp32"), "'head=fp32' in 'int8:head=fp32'"),
                        ((str(tmp_path), "--slots", "numpy"), "--slots applies to --gguf only"),
                        (("--gguf", str(tiny_gguf), "--threads", "0"), "0 is not in the range")):  # fmt: skip
         done = evo(*args)
