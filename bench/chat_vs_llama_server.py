@@ -226,6 +226,7 @@ def _start(name: str, args: argparse.Namespace, log_dir: Path, *, no_repack: boo
         cmd = [sys.executable, "-m", "evo", "serve", "--gguf", str(args.model), "--port", str(port), "--linear", linear,
                "--threads", threads]  # fmt: skip
         cmd += ["--step-tokens", str(args.step_tokens)] if args.step_tokens else []
+        cmd += ["--kv-dtype", args.kv_dtype] if args.kv_dtype else []
     return Server(name, cmd, port, env, log_dir / f"{name.split()[0]}-{port}.log")
 
 
@@ -236,6 +237,7 @@ def main() -> None:
                     help="llama-server's binary (default: on PATH, or $LLAMA_SERVER)")  # fmt: skip
     ap.add_argument("--linear", nargs="+", default=["numpy", "int8"], help="evo serve contestants, by --linear")
     ap.add_argument("--step-tokens", type=int, default=None, help="evo serve's --step-tokens (default: its own)")
+    ap.add_argument("--kv-dtype", default=None, help="evo serve's --kv-dtype (default: its own)")
     ap.add_argument("--streams", type=int, default=8, help="concurrent chat clients")
     ap.add_argument("--requests", type=int, default=3, help="requests per client per round")
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))

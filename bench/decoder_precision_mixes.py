@@ -9,13 +9,15 @@ named (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``; ``runtime.decoder.ker
 on ``tests/data/sentences.txt`` (top-1 agreement and mean KL against ours in fp32, :mod:`runtime.decoder.fidelity`;
 the floor: top-1 >= 0.95, mean KL <= 0.01). The step: 8 sequences of 200 cached positions decoding one token each,
 the decode attention and RMSNorm on their C kernels, the median of ``--steps`` steps, every mix in turn, each
-round (``--rounds``). The default mixes: fp32 and bf16 (where the CPU has AVX512_BF16) everywhere, int8 everywhere,
+round (``--rounds``). ``--kv-dtype f16`` keeps every mix's KV cache in f16 (the reference stays fp32). The
+default mixes: fp32 and bf16 (where the CPU has AVX512_BF16) everywhere, int8 everywhere,
 and int8 with one or two matrices kept in fp32.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -40,6 +42,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="threads of the kernels")
     ap.add_argument("--steps", type=int, default=10, help="decode steps timed per round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kv-dtype", choices=("fp32", "f16"), default="fp32", help="the KV cache's type, every mix")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     from threadpoolctl import threadpool_limits
@@ -50,7 +53,9 @@ def main() -> None:
     from runtime.decoder.kernels import DecoderKernelError, c_decode_attention, c_rmsnorm, decoder_ops, parse_mix
 
     model = load_decoder(args.model or smollm2())
-    base = DecoderOps(decode_attention=c_decode_attention(threads=args.threads), rmsnorm=c_rmsnorm())
+    model.kv_dtype = np.dtype(np.float16 if args.kv_dtype == "f16" else np.float32)
+    base = DecoderOps(decode_attention=c_decode_attention(threads=args.threads, cache=args.kv_dtype),
+                      rmsnorm=c_rmsnorm())  # fmt: skip
     mixes: dict[str, DecoderOps] = {}
     for text in args.mix or DEFAULT_MIXES:
         try:
@@ -60,7 +65,8 @@ def main() -> None:
             print(f"  {text}: skipped ({exc})", file=sys.stderr)
     texts = [s for s in (ROOT / "tests/data/sentences.txt").read_text(encoding="utf-8").splitlines() if s.strip()]
     ids = [model.tokenizer.encode(t) for t in texts]
-    reference = [forced_logits(model, DecoderOps())(i) for i in ids]
+    fp32 = dataclasses.replace(model, kv_dtype=np.dtype(np.float32))  # the reference: fp32 weights and cache
+    reference = [forced_logits(fp32, DecoderOps())(i) for i in ids]
     scores = {}
     for name, ops in mixes.items():
         kl, same = zip(*(divergence(r, forced_logits(model, ops)(i)) for r, i in zip(reference, ids, strict=True)),
@@ -78,8 +84,9 @@ def main() -> None:
                 model.forward(token, caches, ops)
                 steps[name].append(time.perf_counter() - t0)
     floor = DEFAULT_FLOOR
-    print(f"{model.path.name}: {args.threads} threads, {sum(len(i) for i in ids)} positions scored, decode step of 8 "
-          f"sequences at 200 positions, median of {args.rounds} x {args.steps} steps")  # fmt: skip
+    positions = sum(len(i) for i in ids)
+    print(f"{model.path.name}: {args.threads} threads, KV cache {args.kv_dtype}, {positions} positions scored, "
+          f"decode step of 8 sequences at 200 positions, median of {args.rounds} x {args.steps} steps")
     ref_step = median(steps["fp32"]) if "fp32" in steps else None
     for name in mixes:
         top1, kl = scores[name]

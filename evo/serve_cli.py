@@ -47,13 +47,16 @@ __all__ = ["serve"]
 @click.option("--slots", type=click.Choice(["c", "numpy"]), default="c", show_default=True,
               help="--gguf: the slots besides the GEMMs: c runs a decode step's attention (every decoding request "
               "in one call) and RMSNorm on their tasks' C kernels; numpy runs them in numpy")
+@click.option("--kv-dtype", type=click.Choice(["fp32", "f16"]), default="fp32", show_default=True,
+              help="--gguf: the KV cache's type (f16: half the memory and the attention's reads; keys and values "
+              "rounded to f16)")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="--gguf: threads of the engine's GEMMs (BLAS or the C kernels) [default: every core]")
 @click.pass_context
 def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: Path | None, elite: str, host: str,
           port: int, api_key_env: str | None, max_in_flight: int, drain_timeout: float, warmup: int,
           body_timeout: float, kv_cache_mb: float, max_waiting: int, step_tokens: int, linear: str,
-          slots: str, threads: int | None) -> None:
+          slots: str, kv_dtype: str, threads: int | None) -> None:
     """Serve RUN_DIR's engine elite: OpenAI-compatible /v1/embeddings, archive queries, kernel invocation,
     /health, /ready, /metrics. A run that is not an engine run (or has no ok engine candidate) is served
     with the default engine configuration, and says so. SIGTERM drains in-flight requests, then exits 0.
@@ -67,7 +70,7 @@ def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: P
                         "pip install -c constraints.txt -e '.[serve,engine]'") from None
     if sum(x is not None for x in (run_dir, follow, gguf)) != 1:
         raise UserError("give one of RUN_DIR, --follow FACTORY_DIR or --gguf FILE (see evo serve --help)")
-    chat_only = ("kv_cache_mb", "max_waiting", "step_tokens", "linear", "slots", "threads")
+    chat_only = ("kv_cache_mb", "max_waiting", "step_tokens", "linear", "slots", "kv_dtype", "threads")
     _refuse_unused(ctx, ("elite", "max_in_flight", "warmup") if gguf else chat_only)
     from evo.unfiltered import warn_if_unfiltered
 
@@ -80,7 +83,7 @@ def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: P
             budgets = SchedulerConfig(kv_budget_bytes=int(kv_cache_mb * 2**20), max_waiting=max_waiting,
                                       step_tokens=step_tokens)  # fmt: skip
             code = serve_gguf(gguf, host=host, port=port, api_key_env=api_key_env, limits=limits, scheduler=budgets,
-                              drain_timeout=drain_timeout, linear=linear, slots=slots,
+                              drain_timeout=drain_timeout, linear=linear, slots=slots, kv_dtype=kv_dtype,
                               threads=threads)  # fmt: skip
         else:
             code = run_server(run_dir, follow=follow, elite=elite, host=host, port=port, api_key_env=api_key_env,

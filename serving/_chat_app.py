@@ -47,7 +47,7 @@ def create_chat_app(decoder: Decoder, *, model_ids: tuple[str, ...], config: Sch
                     engine: dict[str, str] | None = None) -> ASGIApp:  # fmt: skip
     """The app serving ``decoder`` (loaded already) as ``model_ids[0]``; its engine thread starts here, and
     finishes every request it holds when the app shuts down. ``engine`` names what runs its slots (``/ready``
-    says it: e.g. ``{"linear": "int8", "slots": "c"}``)."""
+    says it: e.g. ``{"linear": "int8", "slots": "c", "kv_dtype": "f16"}``)."""
     limits = limits or Limits()
     scheduler = Scheduler(decoder, config, on_step=lambda *step: metrics.observe_step(*step))
     metrics = ChatMetrics(scheduler)

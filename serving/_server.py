@@ -81,14 +81,15 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
 
 def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key_env: str | None = None,
                limits: Limits | None = None, scheduler: SchedulerConfig | None = None,
-               drain_timeout: float = 30.0, linear: str = "numpy", slots: str = "c",
+               drain_timeout: float = 30.0, linear: str = "numpy", slots: str = "c", kv_dtype: str = "fp32",
                threads: int | None = None) -> int:  # fmt: skip
     """Serves the chat model of the GGUF file ``path`` on the decoder engine until a signal; returns the exit code.
 
     ``linear``: ``numpy`` runs the weight GEMMs and the LM head in numpy (BLAS); ``fp32``, ``int8`` or ``bf16``
     on the linear slot's C kernel of that precision (:func:`runtime.decoder.kernels.decoder_ops`). ``slots``:
     ``c`` runs each decode step's attention in one call of the attention_decode task's kernel, and RMSNorm on
-    the rmsnorm task's; ``numpy`` runs them in numpy (the attention a sequence at a time). ``threads`` (default:
+    the rmsnorm task's; ``numpy`` runs them in numpy (the attention a sequence at a time). ``kv_dtype``: the KV
+    cache's type, ``fp32`` or ``f16``. ``threads`` (default:
     every core) runs the GEMMs: BLAS's under ``numpy`` (the other kernels then have one thread), else the
     kernels' OpenMP team (BLAS then has one).
 
@@ -132,16 +133,21 @@ def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, a
     team = threads or len(os.sched_getaffinity(0))
     openmp = team if mix else 1
     _engine_threads(openmp=openmp, blas=1 if mix else team)
+    import numpy as np
+
+    decoder.model.kv_dtype = np.dtype(np.float16 if kv_dtype == "f16" else np.float32)
     ops = DecoderOps()
     if slots == "c":
-        ops = DecoderOps(decode_attention=c_decode_attention(threads=openmp), rmsnorm=c_rmsnorm(threads=1))
+        ops = DecoderOps(decode_attention=c_decode_attention(threads=openmp, cache=kv_dtype),
+                         rmsnorm=c_rmsnorm(threads=1))  # fmt: skip
     if mix:
         ops = decoder_ops(decoder.model, mix[0], matrices=mix[1], threads=team, base=ops)  # type: ignore[arg-type]
     decoder.ops = ops
     app = create_chat_app(decoder, model_ids=(path.stem, path.name), config=scheduler, api_key=api_key,
-                          limits=limits, engine={"linear": linear, "slots": slots})  # fmt: skip
+                          limits=limits, engine={"linear": linear, "slots": slots, "kv_dtype": kv_dtype})  # fmt: skip
     cfg = decoder.model.config
-    what = f"{cfg.architecture}, {cfg.layers} layers, context {cfg.context}, linear {linear}, slots {slots}"
+    what = f"{cfg.architecture}, {cfg.layers} layers, context {cfg.context}, linear {linear}, slots {slots}, "
+    what += f"KV cache {kv_dtype}"
     _log_start(f"{path.name} ({what})", host, port, api_key)
     return _run(app, host, port, drain_timeout)
 

@@ -239,24 +239,30 @@ def c_decode_attention(
     genome: Genome | None = None,
     *,
     threads: int = 1,
+    cache: str = "fp32",
     compiler: CompilerSettings | None = None,
     cache_dir: str | Path | None = None,
 ) -> Callable[[np.ndarray, Sequence[KVCache], int, Sequence[int]], np.ndarray]:
     """The ``decode_attention`` slot on the ``attention_decode`` task's kernel (``genome``, default its template
     seed), compiled for ``threads`` threads: every decoding sequence of a step in one call, over the caches where
-    they are (each passed as its offset from the first, from the addresses a cache keeps)."""
+    they are (each passed as its offset from the first, from the addresses a cache keeps), of ``cache``'s type
+    (``fp32`` or ``f16``; a cache of another is a ValueError)."""
     from runtime.tasks.attention_decode import AttentionDecode
 
-    task = AttentionDecode({"threads": threads})
+    task = AttentionDecode({"threads": threads, "cache": cache})
     kernel = _build(task, genome, compiler, cache_dir)
+    dtype = np.dtype(np.float16 if cache == "f16" else np.float32)
     one, index = np.zeros((1, 1, 1), np.float32), np.zeros(1, np.int64)
     call = kernel.caller(task.slot_args({"q": one, "kv_heads": 1, "k": one, "v": one, "k_off": index, "v_off": index,
                                          "length": index.astype(np.int32), "capacity": index.astype(np.int32)},
                                         one))  # fmt: skip
 
     def decode_attention(q: np.ndarray, caches: Sequence[KVCache], layer: int, lengths: Sequence[int]) -> np.ndarray:
+        if caches[0].dtype != dtype:
+            raise ValueError(f"a KV cache of {caches[0].dtype} for a kernel built for {dtype}: build it with "
+                             f"cache={'f16' if caches[0].dtype == np.float16 else 'fp32'}")  # fmt: skip
         where = np.array([c.addresses[layer] for c in caches])  # [B, 2]: keys, values
-        offsets = (where - where[0]) // 4  # floats from the first cache's (every array is 16-byte aligned)
+        offsets = (where - where[0]) // dtype.itemsize  # elements from the first cache's (all 16-byte aligned)
         q = np.ascontiguousarray(q, np.float32)
         b, heads, d = q.shape
         length = np.asarray(lengths, np.int32)

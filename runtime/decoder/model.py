@@ -44,16 +44,18 @@ class Layer:
 
 
 class KVCache:
-    """One sequence's keys and values: per layer ``[kv_heads, capacity, head_dim]``, the first ``length``
-    positions filled. It grows by doubling (up to the context length) as the sequence does."""
+    """One sequence's keys and values: per layer ``[kv_heads, capacity, head_dim]`` of ``dtype`` (fp32, or f16 at
+    half the bytes), the first ``length`` positions filled. It grows by doubling (up to the context length) as the
+    sequence does."""
 
-    def __init__(self, config: DecoderConfig, capacity: int = 64) -> None:
+    def __init__(self, config: DecoderConfig, capacity: int = 64, dtype: np.dtype | type = np.float32) -> None:
         self.config = config
         self.length = 0
+        self.dtype = np.dtype(dtype)
         cap = max(1, min(capacity, config.context))
         shape = (config.kv_heads, cap, config.head_dim)
-        self.k = [np.zeros(shape, np.float32) for _ in range(config.layers)]
-        self.v = [np.zeros(shape, np.float32) for _ in range(config.layers)]
+        self.k = [np.zeros(shape, self.dtype) for _ in range(config.layers)]
+        self.v = [np.zeros(shape, self.dtype) for _ in range(config.layers)]
         self.addresses = np.zeros((config.layers, 2), np.int64)  # of each layer's keys and values, for C kernels
         self._locate()
 
@@ -75,7 +77,7 @@ class KVCache:
         cap = min(max(need, 2 * self.capacity), self.config.context)
         for store in (self.k, self.v):
             for i, old in enumerate(store):
-                grown = np.zeros((old.shape[0], cap, old.shape[2]), np.float32)
+                grown = np.zeros((old.shape[0], cap, old.shape[2]), self.dtype)
                 grown[:, : self.length] = old[:, : self.length]
                 store[i] = grown
         self._locate()
@@ -91,7 +93,8 @@ class KVCache:
 
 @dataclass
 class DecoderModel:
-    """Weights in fp32 and the tokenizer; :meth:`forward` runs a batch of sequences over their caches."""
+    """Weights in fp32 and the tokenizer; :meth:`forward` runs a batch of sequences over their caches (of
+    ``kv_dtype``: fp32, or f16)."""
 
     config: DecoderConfig
     tokenizer: Tokenizer
@@ -101,9 +104,10 @@ class DecoderModel:
     lm_head: np.ndarray  # [vocab, H]; the embedding matrix itself where the model ties them
     inv_freq: np.ndarray  # [rope_dim / 2]: RoPE's angle per position of each rotated pair
     path: Path = field(default_factory=Path)
+    kv_dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float32))
 
     def new_cache(self, capacity: int = 64) -> KVCache:
-        return KVCache(self.config, capacity)
+        return KVCache(self.config, capacity, self.kv_dtype)
 
     def rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``cos`` and ``sin`` ``[T, rope_dim / 2]`` of the angles at ``positions`` (fp32, as transformers computes)."""

@@ -51,9 +51,10 @@ class SchedulerClosed(RuntimeError):
     """The scheduler is closing or closed: it takes no new generations."""
 
 
-def kv_bytes_per_token(config: DecoderConfig) -> int:
-    """Bytes of KV cache one position of one sequence takes: keys and values, fp32, of every layer."""
-    return 2 * config.layers * config.kv_heads * config.head_dim * 4
+def kv_bytes_per_token(config: DecoderConfig, itemsize: int = 4) -> int:
+    """Bytes of KV cache one position of one sequence takes: keys and values of every layer, ``itemsize`` bytes
+    each (4: fp32, 2: f16)."""
+    return 2 * config.layers * config.kv_heads * config.head_dim * itemsize
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +143,7 @@ class Scheduler:
     def __init__(self, decoder: Decoder, config: SchedulerConfig | None = None, *,
                  on_step: Callable[[int, int, float], None] | None = None) -> None:  # fmt: skip
         self.decoder, self.config, self.on_step = decoder, config or SchedulerConfig(), on_step
-        self.bytes_per_token = kv_bytes_per_token(decoder.model.config)
+        self.bytes_per_token = kv_bytes_per_token(decoder.model.config, decoder.model.kv_dtype.itemsize)
         self._cond = threading.Condition()
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []

@@ -11,12 +11,12 @@ each length filled with NaN, so a kernel that reads past a sequence's keys fails
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
 
-from genome import Genome, ParamSpace, Pow2Param
+from genome import Genome, ParamSpace, Pow2Param, render_source
 from runtime.slots import Slot, SlotTask
 from runtime.task import Case, Descriptor, TaskArgs
 from runtime.tasks._common import load_c_source
@@ -32,6 +32,7 @@ class AttentionDecodeArgs(TaskArgs):
     kv_heads: int = Field(3, ge=1, description="key-value heads (heads is a multiple of it)")
     head_dim: int = Field(64, ge=1, description="dimensions per head")
     length: int = Field(512, ge=1, description="cached positions of the longest sequence (the others hold fewer)")
+    cache: Literal["fp32", "f16"] = Field("fp32", description="the KV cache's type (the arithmetic is fp32)")
 
     @model_validator(mode="after")
     def _grouped(self) -> AttentionDecodeArgs:
@@ -55,9 +56,9 @@ class AttentionDecode(SlotTask):
     unit = "GB/s"
     description = ("fp32 attention of one query token per sequence over its KV cache, grouped-query heads, "
                    "a batch of sequences at different lengths")  # fmt: skip
-    signature = ("void kernel(int batch, int heads, int kv_heads, int d, const float *q, const float *k, "
-                 "const float *v, const long *k_off, const long *v_off, const int *length, const int *capacity, "
-                 "float *out)")  # fmt: skip
+    signature = ("void kernel(int batch, int heads, int kv_heads, int d, const float *q, const kv_t *k, "
+                 "const kv_t *v, const long *k_off, const long *v_off, const int *length, const int *capacity, "
+                 "float *out) /* kv_t: float, or _Float16 where KV_F16 is defined (cache: f16) */")  # fmt: skip
     slot = Slot("decode_attention")
     Args = AttentionDecodeArgs
     args: AttentionDecodeArgs
@@ -78,6 +79,10 @@ class AttentionDecode(SlotTask):
         return [Genome(params={}, source=load_c_source("attention_decode_naive.c")),
                 Genome(params={"VEC": 8, "KBLOCK": 32})]  # fmt: skip
 
+    def render(self, genome: Genome) -> str:
+        """The genome's source with its params and the cache's type (``KV_F16`` or ``KV_FP32`` defined)."""
+        return render_source({**genome.params, "KV": self.args.cache.upper()}, genome.source or self.template())
+
     def compile_flags(self) -> list[str]:
         return ["-fopenmp"] if self.args.threads > 1 else []
 
@@ -94,14 +99,15 @@ class AttentionDecode(SlotTask):
         return [{"batch": b, "heads": h, "kv_heads": kv, "d": d, "length": n} for b, h, kv, d, n in fixed + drawn]
 
     def inputs(self, case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        """Queries and keys as a trained model's (scores spanning several units), values standard normal; every
-        position past a sequence's length is NaN."""
+        """Queries and keys as a trained model's (scores spanning several units), values standard normal, the cache
+        in its type; every position past a sequence's length is NaN."""
         b, h, kv, d = case["batch"], case["heads"], case["kv_heads"], case["d"]
         lengths, caps = cache_layout(case)
         sizes = kv * caps.astype(np.int64) * d
         offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
-        k = np.full(int(sizes.sum()), np.nan, np.float32)
-        v = np.full(int(sizes.sum()), np.nan, np.float32)
+        dtype = np.float16 if self.args.cache == "f16" else np.float32
+        k = np.full(int(sizes.sum()), np.nan, dtype)
+        v = np.full(int(sizes.sum()), np.nan, dtype)
         for i in range(b):
             for store in (k, v):
                 cache = store[offsets[i] : offsets[i] + sizes[i]].reshape(kv, caps[i], d)
@@ -122,7 +128,8 @@ class AttentionDecode(SlotTask):
             size = kv * int(cap) * d
             k = inputs["k"][inputs["k_off"][i] : inputs["k_off"][i] + size].reshape(kv, cap, d)[:, :n]
             v = inputs["v"][inputs["v_off"][i] : inputs["v_off"][i] + size].reshape(kv, cap, d)[:, :n]
-            outputs["out"][i] = np_attention(inputs["q"][i : i + 1], k, v, int(n) - 1)[0]
+            outputs["out"][i] = np_attention(inputs["q"][i : i + 1], k.astype(np.float32), v.astype(np.float32),
+                                             int(n) - 1)[0]  # fmt: skip
 
     def slot_args(self, operands: Mapping[str, Any], out: np.ndarray) -> list[Any]:
         """``operands``: ``q`` [batch, heads, d], ``kv_heads``, and the first cache's keys and values (``k``, ``v``),
@@ -144,7 +151,8 @@ class AttentionDecode(SlotTask):
     def work(self, case: Case) -> float:
         """Bytes of keys and values read (the queries and outputs stay in cache)."""
         lengths, _ = cache_layout(case)
-        return float(lengths.sum()) * case["kv_heads"] * case["d"] * 8 / 1e9
+        itemsize = 2 if self.args.cache == "f16" else 4
+        return float(lengths.sum()) * case["kv_heads"] * case["d"] * 2 * itemsize / 1e9
 
     def descriptors(self) -> dict[str, Descriptor]:
         return {

@@ -16,10 +16,13 @@ from runtime.tasks._common import load_c_source
 from runtime.tasks.attention_decode import AttentionDecode
 
 
-def test_seeds_and_template_points_are_correct(tmp_path: Path) -> None:
-    task = AttentionDecode()
+@pytest.mark.parametrize("cache", ["fp32", "f16"])
+def test_seeds_and_template_points_are_correct(cache: str, tmp_path: Path) -> None:
+    task = AttentionDecode({"cache": cache})
     for genome in [*task.seeds(), *random_points(task, 6, seed=3)]:
         assert_correct(task, compile_kernel(task, genome, tmp_path), np.random.default_rng(0))
+    inputs = task.inputs(task.full_case(), np.random.default_rng(0))
+    assert inputs["k"].dtype == inputs["v"].dtype == (np.float16 if cache == "f16" else np.float32)
 
 
 def test_threads_share_the_sequences(tmp_path: Path) -> None:
@@ -32,12 +35,22 @@ def test_threads_share_the_sequences(tmp_path: Path) -> None:
     ("j < length[b]", "j <= length[b]"),
     ("(long)(h / group)", "(long)(h % kv_heads)"),
 ], ids=["reads-one-key-past-the-length", "maps-query-heads-to-the-wrong-kv-head"])  # fmt: skip
-def test_a_kernel_that_reads_the_wrong_keys_fails(wrong: str, right: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cache", ["fp32", "f16"])
+def test_a_kernel_that_reads_the_wrong_keys_fails(wrong: str, right: str, cache: str, tmp_path: Path) -> None:
     """A key past a sequence's length (NaN here) or a query head on another head's keys is caught."""
     source = load_c_source("attention_decode_naive.c")
     assert wrong in source
-    task = AttentionDecode()
+    task = AttentionDecode({"cache": cache})
     fn = compile_kernel(task, Genome(params={}, source=source.replace(wrong, right)), tmp_path)
+    with pytest.raises(AssertionError, match="elements off"):
+        assert_correct(task, fn, np.random.default_rng(0))
+
+
+def test_an_fp32_kernel_fails_on_an_f16_cache(tmp_path: Path) -> None:
+    """The cache's type reaches the kernel: one that reads halves as floats is caught."""
+    task = AttentionDecode({"cache": "f16"})
+    fp32 = "#undef KV_F16\n" + load_c_source("attention_decode_template.c")
+    fn = compile_kernel(task, Genome(params=task.seeds()[-1].params, source=fp32), tmp_path)
     with pytest.raises(AssertionError, match="elements off"):
         assert_correct(task, fn, np.random.default_rng(0))
 

@@ -200,7 +200,8 @@ def test_malformed_bodies_unknown_models_and_keys(server: Server) -> None:
     assert server.call("GET", "/v1/models", key=False)[0] == 401
     for path in ("/health", "/ready", "/metrics"):
         assert server.call("GET", path, key=False)[0] == 200
-    assert server.call("GET", "/ready", key=False)[1]["engine"] == {"linear": "numpy", "slots": "c"}  # defaults
+    engine = server.call("GET", "/ready", key=False)[1]["engine"]
+    assert engine == {"linear": "numpy", "slots": "c", "kv_dtype": "fp32"}  # the defaults
     status, got, _ = server.call("POST", CHAT, {"messages": USER, "max_tokens": 2, "model": "tiny-chat.gguf"})
     assert status == 200 and got["model"] == "tiny-chat.gguf"  # an alias
 
@@ -284,16 +285,23 @@ def test_a_full_kv_budget_and_queue_get_429_then_sigterm_drains(tiny_gguf: Path)
 
 
 def test_linear_int8_serves_the_int8_engine_and_ignore_eos_fills_max_tokens(tiny_gguf: Path, decoder) -> None:
-    """--linear int8 serves what the int8 kernels decode in process (the same kernel, one thread; the decode steps'
-    attention and RMSNorm in C), and /ready names them; ignore_eos makes an answer run to max_tokens."""
+    """--linear int8 --kv-dtype f16 serves what the int8 kernels decode in process over an f16 cache (the same
+    kernels, one thread; the decode steps' attention and RMSNorm in C), and /ready names them; ignore_eos makes an
+    answer run to max_tokens."""
+    import dataclasses
+
+    import numpy as np
+
     from runtime.decoder import Decoder, DecoderOps
     from runtime.decoder.kernels import c_decode_attention, c_rmsnorm, decoder_ops
 
-    base = DecoderOps(decode_attention=c_decode_attention(), rmsnorm=c_rmsnorm())
-    int8 = Decoder(decoder.model, ops=decoder_ops(decoder.model, "int8", threads=1, base=base))
-    srv = start_server(None, "--gguf", str(tiny_gguf), "--linear", "int8", "--threads", "1", "--slots", "c")
+    model = dataclasses.replace(decoder.model, kv_dtype=np.dtype(np.float16))
+    base = DecoderOps(decode_attention=c_decode_attention(cache="f16"), rmsnorm=c_rmsnorm())
+    int8 = Decoder(model, ops=decoder_ops(model, "int8", threads=1, base=base))
+    srv = start_server(None, "--gguf", str(tiny_gguf), "--linear", "int8", "--threads", "1", "--slots", "c",
+                       "--kv-dtype", "f16")  # fmt: skip
     try:
-        assert srv.call("GET", "/ready")[1]["engine"] == {"linear": "int8", "slots": "c"}
+        assert srv.call("GET", "/ready")[1]["engine"] == {"linear": "int8", "slots": "c", "kv_dtype": "f16"}
         client = _client(srv)
         for messages in CHATS:
             got = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=24, temperature=0)
@@ -321,6 +329,7 @@ def test_engine_options_are_refused_where_they_do_not_apply(tiny_gguf: Path, tmp
                        (("--gguf", str(tiny_gguf), "--linear", "int4"), "no precision 'int4'"),
                        (("--gguf", str(tiny_gguf), "--linear", "int8:head=fp32"), "'head=fp32' in 'int8:head=fp32'"),
                        ((str(tmp_path), "--slots", "numpy"), "--slots applies to --gguf only"),
+                       ((str(tmp_path), "--kv-dtype", "f16"), "--kv-dtype applies to --gguf only"),
                        (("--gguf", str(tiny_gguf), "--threads", "0"), "0 is not in the range")):  # fmt: skip
         done = evo(*args)
         assert done.returncode == 2 and says in done.stderr, (args, done.stderr)

@@ -1,4 +1,5 @@
-/* Naive decode attention with grouped-query heads, fp32: one new query token per sequence over its KV cache.
+/* Naive decode attention with grouped-query heads: one new query token per sequence over its KV cache, fp32
+ * arithmetic over a cache of kv_t (float, or _Float16 where KV_F16 is defined).
  *
  * Sequence b's cache holds keys at k + k_off[b] and values at v + v_off[b], each [kv_heads, capacity[b], d];
  * its first length[b] positions are filled. Query head h reads KV head h / (heads / kv_heads):
@@ -6,7 +7,13 @@
  */
 #include <math.h>
 
-void kernel(int batch, int heads, int kv_heads, int d, const float *q, const float *k, const float *v,
+#if KV_F16
+typedef _Float16 kv_t;
+#else
+typedef float kv_t;
+#endif
+
+void kernel(int batch, int heads, int kv_heads, int d, const float *q, const kv_t *k, const kv_t *v,
             const long *k_off, const long *v_off, const int *length, const int *capacity, float *out)
 {
     /* EVOLVE-BLOCK-START */
@@ -15,7 +22,8 @@ void kernel(int batch, int heads, int kv_heads, int d, const float *q, const flo
     for (int b = 0; b < batch; b++) {
         for (int h = 0; h < heads; h++) {
             const long at = (long)(h / group) * capacity[b] * d;
-            const float *kh = k + k_off[b] + at, *vh = v + v_off[b] + at, *qh = q + ((long)b * heads + h) * d;
+            const kv_t *kh = k + k_off[b] + at, *vh = v + v_off[b] + at;
+            const float *qh = q + ((long)b * heads + h) * d;
             float *o = out + ((long)b * heads + h) * d;
             float max = -INFINITY;
             for (int j = 0; j < length[b]; j++) {

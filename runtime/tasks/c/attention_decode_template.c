@@ -1,4 +1,5 @@
-/* Parametric decode attention with grouped-query heads, fp32: one new query token per sequence over its cache.
+/* Parametric decode attention with grouped-query heads: one new query token per sequence over its cache, fp32
+ * arithmetic over a cache of kv_t (float, or _Float16 where KV_F16 is defined: converted on load, F16C).
  *
  * Sequence b's cache holds keys at k + k_off[b] and values at v + v_off[b], each [kv_heads, capacity[b], d];
  * its first length[b] positions are filled. The query heads that share a KV head are done together, so each
@@ -18,29 +19,37 @@ typedef float vfu __attribute__((vector_size(VEC * 4), aligned(4)));
 #define UNROLLED(n) PRAGMA(GCC unroll n)
 
 static inline vf vload(const float *p) { return *(const vfu *)p; }
+#if KV_F16
+typedef _Float16 kv_t;
+typedef _Float16 vhu __attribute__((vector_size(VEC * 2), aligned(2)));
+static inline vf kvload(const kv_t *p) { return __builtin_convertvector(*(const vhu *)p, vf); }
+#else
+typedef float kv_t;
+static inline vf kvload(const kv_t *p) { return vload(p); }
+#endif
 static inline void vstore(float *p, vf v) { *(vfu *)p = v; }
 static inline float hsum(vf v) { float s = 0.0f; UNROLLED(VEC) for (int l = 0; l < VEC; l++) s += v[l]; return s; }
 
 /* EVOLVE-BLOCK-START */
-static inline float dot(const float *a, const float *b, int d)
+static inline float dot(const float *a, const kv_t *b, int d)
 {
     const int vec_end = d / VEC * VEC;
     vf acc = {0};
-    for (int c = 0; c < vec_end; c += VEC) acc += vload(a + c) * vload(b + c);
+    for (int c = 0; c < vec_end; c += VEC) acc += vload(a + c) * kvload(b + c);
     float s = hsum(acc);
-    for (int c = vec_end; c < d; c++) s += a[c] * b[c];
+    for (int c = vec_end; c < d; c++) s += a[c] * (float)b[c];
     return s;
 }
 
-static inline void axpy(float *y, float a, const float *x, int d)
+static inline void axpy(float *y, float a, const kv_t *x, int d)
 {
     const int vec_end = d / VEC * VEC;
-    for (int c = 0; c < vec_end; c += VEC) vstore(y + c, vload(y + c) + a * vload(x + c));
-    for (int c = vec_end; c < d; c++) y[c] += a * x[c];
+    for (int c = 0; c < vec_end; c += VEC) vstore(y + c, vload(y + c) + a * kvload(x + c));
+    for (int c = vec_end; c < d; c++) y[c] += a * (float)x[c];
 }
 
 /* g query heads (q: [g, d]) over one KV head's len keys and values ([len, d] rows); o: [g, d] */
-static void group_heads(int g, int d, int len, float scale, const float *q, const float *k, const float *v,
+static void group_heads(int g, int d, int len, float scale, const float *q, const kv_t *k, const kv_t *v,
                         float *o)
 {
     float max[MAX_GROUP], sum[MAX_GROUP], s[MAX_GROUP][KBLOCK];
@@ -52,7 +61,7 @@ static void group_heads(int g, int d, int len, float scale, const float *q, cons
     for (int j0 = 0; j0 < len; j0 += KBLOCK) {
         const int n = len - j0 < KBLOCK ? len - j0 : KBLOCK;
         for (int jj = 0; jj < n; jj++) {
-            const float *kj = k + (long)(j0 + jj) * d;
+            const kv_t *kj = k + (long)(j0 + jj) * d;
             for (int i = 0; i < g; i++) s[i][jj] = dot(q + (long)i * d, kj, d) * scale;
         }
         for (int i = 0; i < g; i++) {
@@ -67,7 +76,7 @@ static void group_heads(int g, int d, int len, float scale, const float *q, cons
                 for (int c = 0; c < d; c++) o[(long)i * d + c] *= rescale;
         }
         for (int jj = 0; jj < n; jj++) {
-            const float *vj = v + (long)(j0 + jj) * d;
+            const kv_t *vj = v + (long)(j0 + jj) * d;
             for (int i = 0; i < g; i++) axpy(o + (long)i * d, s[i][jj], vj, d);
         }
     }
@@ -78,7 +87,7 @@ static void group_heads(int g, int d, int len, float scale, const float *q, cons
 }
 /* EVOLVE-BLOCK-END */
 
-void kernel(int batch, int heads, int kv_heads, int d, const float *q, const float *k, const float *v,
+void kernel(int batch, int heads, int kv_heads, int d, const float *q, const kv_t *k, const kv_t *v,
             const long *k_off, const long *v_off, const int *length, const int *capacity, float *out)
 {
     const int group = heads / kv_heads;

@@ -134,6 +134,36 @@ def test_decode_attention_in_c_follows_numpy(llama, sentences, kernel_cache):
 
 
 @tiny_group
+def test_an_f16_cache_follows_the_fp32_one(llama, sentences, kernel_cache):
+    """Keys and values kept in f16: numpy and the C kernel read the same halves (logits to fp32 rounding), both stay
+    near the fp32 cache's with the same greedy tokens; the cache and the scheduler's count take half the bytes."""
+    import dataclasses
+
+    from runtime.decoder import Decoder, Scheduler, kv_bytes_per_token
+
+    model = llama.decoder.model
+    f16 = dataclasses.replace(model, kv_dtype=np.dtype(np.float16))
+    c16 = DecoderOps(decode_attention=c_decode_attention(cache="f16", cache_dir=kernel_cache))
+    runs = {"fp32": (model, DecoderOps()), "numpy-f16": (f16, DecoderOps()), "c-f16": (f16, c16)}
+    prompts = [model.tokenizer.encode(s) for s in sentences[:4]]
+    caches = {name: [m.new_cache(4) for _ in prompts] for name, (m, _) in runs.items()}
+    logits = {name: m.forward(prompts, caches[name], ops) for name, (m, ops) in runs.items()}
+    for _ in range(16):
+        tokens = [[int(t)] for t in logits["fp32"].argmax(axis=1)]
+        logits = {name: m.forward(tokens, caches[name], ops) for name, (m, ops) in runs.items()}
+        scale = np.abs(logits["fp32"]).max()
+        np.testing.assert_allclose(logits["c-f16"], logits["numpy-f16"], rtol=1e-4, atol=1e-4 * scale)
+        np.testing.assert_allclose(logits["numpy-f16"], logits["fp32"], atol=2e-2 * scale)
+        assert (logits["c-f16"].argmax(axis=1) == logits["fp32"].argmax(axis=1)).all()
+    cache = caches["c-f16"][0]
+    assert cache.k[0].dtype == np.float16 and cache.k[0].nbytes * 2 == caches["fp32"][0].k[0].nbytes
+    with pytest.raises(ValueError, match="built for float16"):
+        model.forward(tokens, caches["fp32"], c16)
+    with Scheduler(Decoder(f16)) as scheduler:
+        assert scheduler.bytes_per_token * 2 == kv_bytes_per_token(model.config)
+
+
+@tiny_group
 def test_one_matrix_may_keep_another_precision(llama, sentences, kernel_cache):
     """The LM head in fp32 and the rest in int8: its logits are the fp32 GEMM of the int8 layers' output."""
     model = llama.decoder.model
