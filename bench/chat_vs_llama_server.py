@@ -17,10 +17,10 @@ token), ITL p50/p99 (gap between successive streamed tokens), the server's peak 
 together), and the ratios to llama-server (> 1: ours more tokens/s; < 1: ours a shorter p99 ITL).
 
 Contestants: ``evo serve --gguf`` once per ``--linear`` (numpy: fp32 weights on BLAS; int8: the linear slot's C
-kernel; see ``evo serve --help``), and ``llama-server`` with ``--parallel`` equal to the streams (continuous
-batching, its default), the file's own quantised types, a context of the streams' sum, and its threads set to
-the same count. Build llama-server from the ``llama-cpp-python`` sdist's vendored llama.cpp with
-``bench/build_llama_server.sh``.
+kernel; see ``evo serve --help``) and per ``--ours`` (its flags as given), and ``llama-server`` with
+``--parallel`` equal to the streams (continuous batching, its default), the file's own quantised types, a
+context of the streams' sum, and its threads set to the same count. Build llama-server from the
+``llama-cpp-python`` sdist's vendored llama.cpp with ``bench/build_llama_server.sh``.
 """
 
 from __future__ import annotations
@@ -199,6 +199,7 @@ def load(server: Server, texts: list[str], streams: int, max_tokens: int) -> dic
 
 
 NOTES: dict[str, str] = {}
+OURS: dict[str, list[str]] = {}  # each evo serve contestant's name: its flags
 
 
 def start(name: str, args: argparse.Namespace, log_dir: Path) -> Server:
@@ -222,9 +223,8 @@ def _start(name: str, args: argparse.Namespace, log_dir: Path, *, no_repack: boo
                "-tb", threads, "--parallel", str(args.streams), "-c", str(ctx), "--no-webui"]  # fmt: skip
         cmd += ["--no-repack"] if no_repack else []
     else:
-        linear = name.split("--linear ")[1].rstrip(")")
-        cmd = [sys.executable, "-m", "evo", "serve", "--gguf", str(args.model), "--port", str(port), "--linear", linear,
-               "--threads", threads]  # fmt: skip
+        cmd = [sys.executable, "-m", "evo", "serve", "--gguf", str(args.model), "--port", str(port), "--threads",
+               threads, *OURS[name]]  # fmt: skip
         cmd += ["--step-tokens", str(args.step_tokens)] if args.step_tokens else []
         cmd += ["--kv-dtype", args.kv_dtype] if args.kv_dtype else []
     return Server(name, cmd, port, env, log_dir / f"{name.split()[0]}-{port}.log")
@@ -236,6 +236,8 @@ def main() -> None:
     ap.add_argument("--llama-server", default=shutil.which("llama-server") or os.environ.get("LLAMA_SERVER"),
                     help="llama-server's binary (default: on PATH, or $LLAMA_SERVER)")  # fmt: skip
     ap.add_argument("--linear", nargs="+", default=["numpy", "int8"], help="evo serve contestants, by --linear")
+    ap.add_argument("--ours", nargs="+", default=[], metavar="FLAGS",
+                    help="more evo serve contestants, each by its flags (e.g. '--linear int8 --kv-dtype f16')")
     ap.add_argument("--step-tokens", type=int, default=None, help="evo serve's --step-tokens (default: its own)")
     ap.add_argument("--kv-dtype", default=None, help="evo serve's --kv-dtype (default: its own)")
     ap.add_argument("--streams", type=int, default=8, help="concurrent chat clients")
@@ -249,7 +251,9 @@ def main() -> None:
     args.model = args.model or smollm2()
     if not args.llama_server or not Path(args.llama_server).exists():
         sys.exit("error: no llama-server: build it with bench/build_llama_server.sh and give --llama-server PATH")
-    names = [*(f"evo serve (--linear {x})" for x in args.linear), LLAMA]
+    for flags in [f"--linear {x}" for x in args.linear] + args.ours:
+        OURS[f"evo serve ({flags})"] = flags.split()
+    names = [*OURS, LLAMA]
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "chat_vs_llama_server"
     log_dir.mkdir(exist_ok=True)
     per_round = args.streams * args.requests

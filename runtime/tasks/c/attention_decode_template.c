@@ -1,5 +1,5 @@
 /* Parametric decode attention with grouped-query heads: one new query token per sequence over its cache, fp32
- * arithmetic over a cache of kv_t (float, or _Float16 where KV_F16 is defined: converted on load, F16C).
+ * arithmetic over a cache of kv_t (float, or _Float16 where KV_F16 is defined: converted on load by F16C).
  *
  * Sequence b's cache holds keys at k + k_off[b] and values at v + v_off[b], each [kv_heads, capacity[b], d];
  * its first length[b] positions are filled. The query heads that share a KV head are done together, so each
@@ -20,9 +20,23 @@ typedef float vfu __attribute__((vector_size(VEC * 4), aligned(4)));
 
 static inline vf vload(const float *p) { return *(const vfu *)p; }
 #if KV_F16
+#include <immintrin.h>
 typedef _Float16 kv_t;
-typedef _Float16 vhu __attribute__((vector_size(VEC * 2), aligned(2)));
-static inline vf kvload(const kv_t *p) { return __builtin_convertvector(*(const vhu *)p, vf); }
+/* VEC halves to floats, 8 at a time with F16C's vcvtph2ps (a plain conversion compiles to one scalar per half) */
+static inline vf kvload(const kv_t *p)
+{
+    vf out;
+#if VEC == 4
+    const __m128 a = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)p));
+    __builtin_memcpy(&out, &a, sizeof a);
+#else
+    for (int i = 0; i < VEC; i += 8) {
+        const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i)));
+        __builtin_memcpy((float *)&out + i, &a, sizeof a);
+    }
+#endif
+    return out;
+}
 #else
 typedef float kv_t;
 static inline vf kvload(const kv_t *p) { return vload(p); }
