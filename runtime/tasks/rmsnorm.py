@@ -63,10 +63,15 @@ class RMSNorm(SlotTask):
         return [{"rows": r, "cols": c} for r, c in fixed + drawn]
 
     def inputs(self, case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        """Rows spread like a decoder's residual stream (a few large outliers); weights near 1."""
+        """Rows spread like a decoder's residual stream (a few large outliers); weights near 1. Where there are
+        two rows or more, the middle one has a mean square near ``eps``: a kernel that drops or misplaces eps
+        is off there by about 1.4x on every draw, not only when a row happens to be all zeros."""
         rows, cols = case["rows"], case["cols"]
         x = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(3.0)
         x[:, :: max(1, cols // 4)] *= np.float32(20.0)
+        if rows > 1:
+            middle = x[rows // 2]
+            middle *= np.float32(np.sqrt(self.args.eps / max(float(np.mean(np.square(middle, dtype=np.float64))), 1e-30)))
         w = (1.0 + 0.2 * rng.standard_normal(cols)).astype(np.float32)
         return {"x": x, "w": w}
 
