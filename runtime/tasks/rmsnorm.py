@@ -71,7 +71,8 @@ class RMSNorm(SlotTask):
         x[:, :: max(1, cols // 4)] *= np.float32(20.0)
         if rows > 1:
             middle = x[rows // 2]
-            middle *= np.float32(np.sqrt(self.args.eps / max(float(np.mean(np.square(middle, dtype=np.float64))), 1e-30)))
+            mean_square = max(float(np.mean(np.square(middle, dtype=np.float64))), 1e-30)
+            middle *= np.float32(np.sqrt(self.args.eps / mean_square))
         w = (1.0 + 0.2 * rng.standard_normal(cols)).astype(np.float32)
         return {"x": x, "w": w}
 
