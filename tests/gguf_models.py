@@ -1,7 +1,7 @@
-"""Small random-weight Llama and Qwen2 decoders written as GGUF files here (nothing is downloaded), with a byte-level
-BPE tokenizer trained on the test corpus: built with transformers (to compare against it), or drawn in numpy
-alone (:func:`write_random_gguf`, for tests that need a model but not torch). Shared by the decoder's tests and
-the serving tests."""
+"""Small random-weight Llama, Qwen2 and Gemma 3 decoders written as GGUF files here (nothing is downloaded), with a
+tokenizer trained on the test corpus (byte-level BPE; SentencePiece-style for Gemma 3): built with transformers (to
+compare against it), or drawn in numpy alone (:func:`write_random_gguf`, for tests that need a model but not torch).
+Shared by the decoder's tests and the serving tests."""
 
 from __future__ import annotations
 
@@ -26,6 +26,29 @@ class Vocabulary:
     tokens: list[str]
     merges: list[str]
     types: list[int]
+    scores: list[float] | None = None  # a SentencePiece vocabulary's (it has no merges)
+    model: str = "gpt2"  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece)
+
+
+SPM_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def train_spm_vocabulary(lines: list[str], size: int = 384) -> Vocabulary:
+    """A SentencePiece-style vocabulary as Gemma's files store it: control tokens first (pad, eos, bos, unk and
+    the turn markers), the 256 byte-fallback tokens, then pieces learned on ``lines`` with spaces written as
+    "▁" (no space prefix), each scored by its rank; no merges."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
+    trainer = trainers.BpeTrainer(vocab_size=size, show_progress=False)
+    tok.train_from_iterator(lines, trainer)
+    learned = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    tokens = [*SPM_SPECIALS, *(f"<0x{b:02X}>" for b in range(256)), *learned]
+    types = [3] * len(SPM_SPECIALS) + [6] * 256 + [1] * len(learned)
+    scores = [-1000.0] * len(SPM_SPECIALS) + [0.0] * 256 + [-float(i) for i in range(len(learned))]
+    return Vocabulary(tokens, [], types, scores, model="llama")
 
 
 def train_vocabulary(lines: list[str], size: int = 384) -> Vocabulary:
@@ -55,6 +78,8 @@ def make_hf_model(arch: str, vocab: int, *, tied: bool, seed: int = 0):
                  tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)  # fmt: skip
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**shape, rope_theta=10000.0))
+    elif arch == "gemma3":
+        model = _tiny_gemma3(vocab, tied=tied)
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**shape, rope_theta=1000000.0, use_sliding_window=False))
     gen = torch.Generator().manual_seed(seed)
@@ -67,6 +92,22 @@ def make_hf_model(arch: str, vocab: int, *, tied: bool, seed: int = 0):
     return model.eval()
 
 
+GEMMA3_WINDOW = 16
+"""The tiny Gemma 3's sliding window: short enough that a test's text slides past it."""
+
+
+def _tiny_gemma3(vocab: int, *, tied: bool):
+    """A Gemma 3 of 6 layers (the fifth and every sixth global, the others sliding-window) whose head dimension is
+    the 256 its query scaling assumes (transformers reads no ``query_pre_attn_scalar`` from a GGUF file)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                              sliding_window=GEMMA3_WINDOW, max_position_embeddings=256, rms_norm_eps=1e-6,
+                              tie_word_embeddings=tied, pad_token_id=0, eos_token_id=1, bos_token_id=2)  # fmt: skip
+    return Gemma3ForCausalLM(config)
+
+
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter's reordering of a Llama Q or K weight's rows for its RoPE (pairs made adjacent)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -77,10 +118,12 @@ def write_gguf(path: Path, model, vocab: Vocabulary | None, *, arch: str, qtype:
     """Writes ``model`` (a transformers Llama or Qwen2) as llama.cpp's converter would: its hyperparameters, the
     tokenizer (unless ``tokenizer`` is false), the weights (matrices in ``qtype``, norms and biases in F32)."""
     cfg = model.config
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3's: per kind of layer
     shape = Shape(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, layers=cfg.num_hidden_layers,
                   heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
-                  context=cfg.max_position_embeddings, eps=cfg.rms_norm_eps,
-                  rope_theta=float(cfg.rope_parameters["rope_theta"]), tied=cfg.tie_word_embeddings)  # fmt: skip
+                  context=cfg.max_position_embeddings, eps=cfg.rms_norm_eps, rope_theta=float(rope["rope_theta"]),
+                  tied=cfg.tie_word_embeddings, head_dim=getattr(cfg, "head_dim", None),
+                  sliding_window=getattr(cfg, "sliding_window", None) if arch == "gemma3" else None)  # fmt: skip
     state = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
     return write_state(path, state, shape, vocab, arch=arch, qtype=qtype, tokenizer=tokenizer, add_bos=add_bos,
                        architecture=architecture)  # fmt: skip
@@ -99,6 +142,8 @@ class Shape:
     eps: float = 1e-5
     rope_theta: float = 10000.0
     tied: bool = False
+    head_dim: int | None = None  # hidden // heads where None
+    sliding_window: int | None = None  # Gemma 3's
 
 
 def random_state(arch: str, vocab: int, shape: Shape, *, seed: int = 0) -> dict[str, np.ndarray]:
@@ -161,8 +206,26 @@ def write_state(path: Path, state: dict[str, np.ndarray], shape: Shape, vocab: V
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(shape.eps)
     w.add_rope_freq_base(shape.rope_theta)
-    w.add_rope_dimension_count(shape.hidden // heads)
-    if tokenizer and vocab is not None:
+    gemma = arch == "gemma3"
+    if gemma:  # as llama.cpp's converter writes Gemma 3: the head's width, no RoPE width
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
+        w.add_sliding_window(shape.sliding_window)
+    else:
+        w.add_rope_dimension_count(shape.hidden // heads)
+    if tokenizer and vocab is not None and vocab.model == "llama":
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(vocab.tokens)
+        w.add_token_scores(vocab.scores)
+        w.add_token_types(vocab.types)
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+        w.add_unk_token_id(3)
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(add_bos)
+        w.add_add_space_prefix(False)
+    elif tokenizer and vocab is not None:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt2")
         w.add_token_list(vocab.tokens)
@@ -181,6 +244,12 @@ def write_state(path: Path, state: dict[str, np.ndarray], shape: Shape, vocab: V
     for proj, short in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v")):
         per_layer[f"self_attn.{proj}.weight"] = f"{short}.weight"
         per_layer[f"self_attn.{proj}.bias"] = f"{short}.bias"
+    if gemma:  # four norms a layer and two on the heads
+        per_layer |= {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+                      "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+
     if shape.tied:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     for key, value in state.items():
@@ -189,6 +258,8 @@ def write_state(path: Path, state: dict[str, np.ndarray], shape: Shape, vocab: V
             name = f"blk.{i}.{per_layer[rest]}"
         else:
             name = names[key]
+        if gemma and name.endswith("norm.weight"):  # Gemma scales by 1 + w; the converter stores 1 + w
+            value = value + np.float32(1.0)
         if arch == "llama" and ".attn_q." in name:
             value = _permute(value, heads)
         elif arch == "llama" and ".attn_k." in name:

@@ -18,9 +18,19 @@ import numpy as np
 
 __all__ = ["ARCHITECTURES", "DecoderConfig", "GGUFFile", "GGUFLoadError", "read_config"]
 
-ARCHITECTURES = ("llama", "qwen2")
-"""The ``general.architecture`` values the decoder runs: both are RMSNorm, RoPE, GQA and SwiGLU decoders
-(Qwen2 adds biases to the Q, K and V projections and stores Q and K unpermuted for the half-split RoPE)."""
+ARCHITECTURES = ("llama", "qwen2", "gemma3")
+"""The ``general.architecture`` values the decoder runs: RMSNorm, RoPE and GQA decoders. Llama and Qwen2 have a
+SwiGLU MLP (Qwen2 adds biases to the Q, K and V projections and stores Q and K unpermuted for the half-split
+RoPE). Gemma 3 adds an RMSNorm on each query and key head and after the attention and the MLP, a GeGLU MLP,
+an embedding scaled by the square root of its width, and sliding-window attention in five layers of six, whose
+RoPE has a base of its own."""
+
+GEMMA3_WINDOW_PATTERN = 6
+"""Of each six Gemma 3 layers the last is global, the others sliding-window (llama.cpp and transformers both fix
+it, where the file does not say)."""
+
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+"""The RoPE base of Gemma 3's sliding-window layers, where the file does not state one."""
 
 
 class GGUFLoadError(ValueError):
@@ -43,7 +53,18 @@ class DecoderConfig:
     eps: float  # RMSNorm's epsilon
     rope_base: float
     rope_dim: int  # the leading dimensions of each head that RoPE rotates (the whole head, as a rule)
-    rope_scale: float = 1.0  # linear RoPE scaling: positions are divided by it
+    rope_scale: float = 1.0  # linear RoPE scaling: positions are divided by it (Gemma 3: in its global layers)
+    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0  # the embedding's rows are multiplied by it (Gemma: sqrt(hidden))
+    attn_scale: float = 0.0  # attention scores' scale; 0: 1 / sqrt(head_dim)
+    sliding_window: int = 0  # positions a sliding-window layer sees (its own included); 0: none
+    local_layers: tuple[bool, ...] = ()  # per layer: whether it is a sliding-window one (none where empty)
+    local_rope_base: float = 0.0  # the RoPE base of the sliding-window layers
+    logit_softcap: float = 0.0  # logits become cap * tanh(logits / cap); 0: none
+
+    def window(self, layer: int) -> int:
+        """The positions ``layer`` attends to (its own included): the sliding window, or 0 for all of them."""
+        return self.sliding_window if self.local_layers and self.local_layers[layer] else 0
 
     @property
     def q_width(self) -> int:
@@ -154,7 +175,7 @@ def read_config(f: GGUFFile) -> DecoderConfig:
     if f.get(f"{arch}.attention.value_length", head_dim) != head_dim:
         raise GGUFLoadError(f"{f.path}: keys and values of different widths; the decoder needs them equal")
     rope_dim = f.get(f"{arch}.rope.dimension_count", head_dim)
-    if rope_dim % 2 or rope_dim > head_dim or (arch == "qwen2" and rope_dim != head_dim):
+    if rope_dim % 2 or rope_dim > head_dim or (arch != "llama" and rope_dim != head_dim):
         raise GGUFLoadError(f"{f.path}: RoPE over {rope_dim} of {head_dim} head dimensions is not supported")
     scaling = f.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
@@ -165,9 +186,37 @@ def read_config(f: GGUFFile) -> DecoderConfig:
         raise GGUFLoadError(
             f"{f.path}: token_embd.weight is {embed}, not [vocab, {hidden}]: not a complete {arch} model"
         )
-    return DecoderConfig(
-        architecture=arch, hidden=hidden, layers=key("block_count"), heads=heads, kv_heads=kv_heads,
+    layers = key("block_count")
+    config = DecoderConfig(
+        architecture=arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, intermediate=key("feed_forward_length"), vocab=embed[0], context=key("context_length"),
         eps=float(f.require(f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_base=float(f.get(f"{arch}.rope.freq_base", 10000.0)), rope_dim=rope_dim, rope_scale=scale,
+    )  # fmt: skip
+    return _gemma3(f, config) if arch == "gemma3" else config
+
+
+def _gemma3(f: GGUFFile, config: DecoderConfig) -> DecoderConfig:
+    """Gemma 3's additions, from the metadata where it states them and llama.cpp's fixed values where not."""
+    from dataclasses import replace
+
+    arch, layers = config.architecture, config.layers
+    window = int(f.get(f"{arch}.attention.sliding_window", 0) or 0)
+    pattern = f.get(f"{arch}.attention.sliding_window_pattern", GEMMA3_WINDOW_PATTERN)
+    if isinstance(pattern, list):  # newer converters: one flag per layer
+        local = tuple(bool(p) for p in pattern)
+        if len(local) != layers:
+            raise GGUFLoadError(f"{f.path}: {arch}.attention.sliding_window_pattern has {len(local)} entries "
+                                f"for {layers} layers")  # fmt: skip
+    elif isinstance(pattern, int) and pattern > 0:
+        local = tuple((i + 1) % pattern != 0 for i in range(layers))
+    else:
+        raise GGUFLoadError(f"{f.path}: {arch}.attention.sliding_window_pattern is {pattern!r}")
+    # llama.cpp's query scale: 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for the 62-layer 27B model
+    scale = (config.hidden / config.heads) ** -0.5 if layers == 62 else config.head_dim**-0.5
+    return replace(
+        config, activation="gelu_tanh", embed_scale=config.hidden**0.5, attn_scale=scale,
+        sliding_window=window, local_layers=local if window else (),
+        local_rope_base=float(f.get(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+        logit_softcap=float(f.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
     )  # fmt: skip

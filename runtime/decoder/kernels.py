@@ -242,11 +242,12 @@ def c_decode_attention(
     cache: str = "fp32",
     compiler: CompilerSettings | None = None,
     cache_dir: str | Path | None = None,
-) -> Callable[[np.ndarray, Sequence[KVCache], int, Sequence[int]], np.ndarray]:
+) -> Callable[[np.ndarray, Sequence[KVCache], int, Sequence[int], int], np.ndarray]:
     """The ``decode_attention`` slot on the ``attention_decode`` task's kernel (``genome``, default its template
     seed), compiled for ``threads`` threads: every decoding sequence of a step in one call, over the caches where
     they are (each passed as its offset from the first, from the addresses a cache keeps), of ``cache``'s type
-    (``fp32`` or ``f16``; a cache of another is a ValueError)."""
+    (``fp32`` or ``f16``; a cache of another is a ValueError). A sliding window moves each sequence's offsets on
+    to the first key it sees, in every head (the heads stay a capacity apart), and shortens its length."""
     from runtime.tasks.attention_decode import AttentionDecode
 
     task = AttentionDecode({"threads": threads, "cache": cache})
@@ -257,7 +258,8 @@ def c_decode_attention(
                                          "length": index.astype(np.int32), "capacity": index.astype(np.int32)},
                                         one))  # fmt: skip
 
-    def decode_attention(q: np.ndarray, caches: Sequence[KVCache], layer: int, lengths: Sequence[int]) -> np.ndarray:
+    def decode_attention(q: np.ndarray, caches: Sequence[KVCache], layer: int, lengths: Sequence[int],
+                         window: int = 0) -> np.ndarray:  # fmt: skip
         if caches[0].dtype != dtype:
             raise ValueError(f"a KV cache of {caches[0].dtype} for a kernel built for {dtype}: build it with "
                              f"cache={'f16' if caches[0].dtype == np.float16 else 'fp32'}")  # fmt: skip
@@ -268,6 +270,11 @@ def c_decode_attention(
         length = np.asarray(lengths, np.int32)
         capacity = np.array([c.capacity for c in caches], np.int32)
         k_off, v_off = np.ascontiguousarray(offsets[:, 0]), np.ascontiguousarray(offsets[:, 1])
+        if window:  # a sliding-window layer: each sequence's keys start `first` positions on, in every head
+            first = np.maximum(length - window, 0)
+            k_off += first * d
+            v_off += first * d
+            length = length - first
         out = np.empty_like(q)
         call(b, heads, caches[0].config.kv_heads, d, q.ctypes.data, int(where[0, 0]), int(where[0, 1]),
              k_off.ctypes.data, v_off.ctypes.data, length.ctypes.data, capacity.ctypes.data, out.ctypes.data)

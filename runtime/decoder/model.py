@@ -1,14 +1,18 @@
-"""A Llama-family decoder: weights from a GGUF file and the forward pass in numpy over per-sequence KV caches.
+"""A Llama-family or Gemma 3 decoder: weights from a GGUF file and the forward pass in numpy over per-sequence KV
+caches.
 
 Each layer is ``x += attn(rmsnorm(x))`` then ``x += mlp(rmsnorm(x))``: Q, K and V projections (one fused
 GEMM), RoPE on Q and K, causal grouped-query attention over the sequence's cache, the output projection;
-a SwiGLU MLP (gate and up fused). A final RMSNorm and the LM head give the logits. Every operator goes
-through :class:`runtime.decoder.ops.DecoderOps`. The weights are dequantised to fp32 once, at load.
+a SwiGLU MLP (gate and up fused). A final RMSNorm and the LM head give the logits. Gemma 3 adds an RMSNorm on
+each query and key head (before RoPE) and on the attention's and the MLP's outputs (before the residual sum),
+scales the embedding, has a GeGLU MLP and slides a window over the keys in most layers (with a RoPE base of
+their own). Every operator goes through :class:`runtime.decoder.ops.DecoderOps`. The weights are dequantised
+to fp32 once, at load.
 
 RoPE rotates adjacent pairs: llama.cpp's converter permutes the rows of each Llama Q and K head so that
-its pairs ``(i, i + d/2)`` become ``(2i, 2i + 1)``, and the decoder reads the file as it is. A Qwen2 file
-keeps the half-split layout; its Q and K rows (and biases) are permuted the same way at load, so one RoPE
-serves both.
+its pairs ``(i, i + d/2)`` become ``(2i, 2i + 1)``, and the decoder reads the file as it is. Qwen2 and Gemma 3
+files keep the half-split layout; their Q and K rows (and biases, and Gemma's Q and K norms) are permuted the
+same way at load, so one RoPE serves all.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ class Layer:
     ffn_norm: np.ndarray  # [H]
     w_gate_up: np.ndarray  # [H, 2 I]: gate, then up
     w_down: np.ndarray  # [I, H]
+    q_norm: np.ndarray | None = None  # [head_dim]: Gemma 3's norms of each query and key head
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None  # [H]: Gemma 3's norms of the attention's and the MLP's outputs
+    post_ffn_norm: np.ndarray | None = None
 
 
 class KVCache:
@@ -104,17 +112,23 @@ class DecoderModel:
     lm_head: np.ndarray  # [vocab, H]; the embedding matrix itself where the model ties them
     inv_freq: np.ndarray  # [rope_dim / 2]: RoPE's angle per position of each rotated pair
     path: Path = field(default_factory=Path)
+    local_inv_freq: np.ndarray | None = None  # the sliding-window layers' (Gemma 3), where they have their own
     kv_dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float32))
 
     def new_cache(self, capacity: int = 64) -> KVCache:
         return KVCache(self.config, capacity, self.kv_dtype)
 
-    def rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``cos`` and ``sin`` ``[T, rope_dim / 2]`` of the angles at ``positions`` (fp32, as transformers computes)."""
+    def rope_tables(self, positions: np.ndarray, *, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """``cos`` and ``sin`` ``[T, rope_dim / 2]`` of the angles at ``positions`` (fp32, as transformers computes);
+        ``local``: of the sliding-window layers (unscaled, at their own base)."""
         pos = positions.astype(np.float32)
-        if self.config.rope_scale != 1.0:
-            pos /= np.float32(self.config.rope_scale)
-        angles = pos[:, None] * self.inv_freq[None, :]
+        if local and self.local_inv_freq is not None:
+            inv_freq = self.local_inv_freq
+        else:
+            inv_freq = self.inv_freq
+            if self.config.rope_scale != 1.0:
+                pos /= np.float32(self.config.rope_scale)
+        angles = pos[:, None] * inv_freq[None, :]
         return np.cos(angles), np.sin(angles)
 
     def forward(
@@ -144,32 +158,52 @@ class DecoderModel:
         starts = [c.length for c in caches]
         offsets = np.concatenate(([0], np.cumsum(counts)))
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
-        cos, sin = self.rope_tables(positions)
+        tables = {False: self.rope_tables(positions)}
+        if cfg.local_layers:
+            tables[True] = self.rope_tables(positions, local=True)
         decoding = np.flatnonzero(np.asarray(counts) == 1)  # sequences bringing one token: a decode step
         lengths = [starts[i] + 1 for i in decoding]
         q_w, kv_w, d = cfg.q_width, cfg.kv_width, cfg.head_dim
+        q_scale = np.float32(cfg.attn_scale * np.sqrt(d)) if cfg.attn_scale else None  # the slots scale by d^-1/2
         x = self.embed[flat]  # a copy: the residual stream, updated in place
+        if cfg.embed_scale != 1.0:
+            x *= np.float32(cfg.embed_scale)
+        mlp = ops.geglu if cfg.activation == "gelu_tanh" else ops.swiglu
         for li, layer in enumerate(self.layers):
+            window = cfg.window(li)
+            cos, sin = tables[bool(window) and cfg.local_rope_base > 0]
             qkv = ops.linear(ops.rmsnorm(x, layer.attn_norm, cfg.eps), layer.w_qkv, layer.b_qkv)
-            q = ops.rope(qkv[:, :q_w].reshape(-1, cfg.heads, d), cos, sin)
-            k = ops.rope(qkv[:, q_w : q_w + kv_w].reshape(-1, cfg.kv_heads, d), cos, sin)
+            q, k = qkv[:, :q_w], qkv[:, q_w : q_w + kv_w]
+            if layer.q_norm is not None:
+                q = ops.rmsnorm(np.ascontiguousarray(q).reshape(-1, d), layer.q_norm, cfg.eps)
+                k = ops.rmsnorm(np.ascontiguousarray(k).reshape(-1, d), layer.k_norm, cfg.eps)
+            q = ops.rope(q.reshape(-1, cfg.heads, d), cos, sin)
+            k = ops.rope(k.reshape(-1, cfg.kv_heads, d), cos, sin)
+            if q_scale is not None:
+                q *= q_scale
             v = qkv[:, q_w + kv_w :].reshape(-1, cfg.kv_heads, d)
             ctx = np.empty((len(flat), q_w), np.float32)
             for i, cache in enumerate(caches):
                 rows = slice(offsets[i], offsets[i + 1])
                 keys, values = cache.write(li, k[rows], v[rows])
                 if counts[i] > 1:  # a prompt's chunk; the decoding sequences go together, below
-                    ctx[rows] = ops.attention(q[rows], keys, values, starts[i]).reshape(counts[i], q_w)
+                    ctx[rows] = ops.attention(q[rows], keys, values, starts[i], window).reshape(counts[i], q_w)
             if len(decoding):
-                got = ops.decode_attention(q[offsets[decoding]], [caches[i] for i in decoding], li, lengths)
+                got = ops.decode_attention(q[offsets[decoding]], [caches[i] for i in decoding], li, lengths, window)
                 ctx[offsets[decoding]] = got.reshape(len(decoding), q_w)
-            x += ops.linear(ctx, layer.w_o, None)
-            x += ops.linear(ops.swiglu(ops.linear(ops.rmsnorm(x, layer.ffn_norm, cfg.eps), layer.w_gate_up, None)),
-                            layer.w_down, None)  # fmt: skip
+            attn = ops.linear(ctx, layer.w_o, None)
+            x += attn if layer.post_attn_norm is None else ops.rmsnorm(attn, layer.post_attn_norm, cfg.eps)
+            up = ops.linear(ops.rmsnorm(x, layer.ffn_norm, cfg.eps), layer.w_gate_up, None)
+            down = ops.linear(mlp(up), layer.w_down, None)
+            x += down if layer.post_ffn_norm is None else ops.rmsnorm(down, layer.post_ffn_norm, cfg.eps)
         for cache, n in zip(caches, counts, strict=True):
             cache.length += n
         rows = x if all_logits else x[offsets[1:] - 1]
-        return ops.lm_head(ops.rmsnorm(rows, self.norm, cfg.eps), self.lm_head)
+        logits = ops.lm_head(ops.rmsnorm(rows, self.norm, cfg.eps), self.lm_head)
+        if cfg.logit_softcap:
+            cap = np.float32(cfg.logit_softcap)
+            logits = np.tanh(logits / cap) * cap
+        return logits
 
 
 def _interleave_heads(w: np.ndarray, heads: int) -> np.ndarray:
@@ -186,7 +220,7 @@ def load_decoder(path: str | Path) -> DecoderModel:
     tokenizer = Tokenizer.from_gguf(f)
     f.check_types()
     h, q_w, kv_w, inter = cfg.hidden, cfg.q_width, cfg.kv_width, cfg.intermediate
-    half_split = cfg.architecture == "qwen2"
+    half_split = cfg.architecture in ("qwen2", "gemma3")
 
     def qk(name: str, shape: tuple[int, ...], heads: int) -> np.ndarray:
         w = f.tensor(name, shape)
@@ -199,6 +233,12 @@ def load_decoder(path: str | Path) -> DecoderModel:
     for i in range(cfg.layers):
         p = f"blk.{i}."
         q, k = qk(p + "attn_q.weight", (q_w, h), cfg.heads), qk(p + "attn_k.weight", (kv_w, h), cfg.kv_heads)
+        extra = {}
+        if cfg.architecture == "gemma3":  # a head's norm is permuted as its rows are
+            d = cfg.head_dim
+            extra = {"q_norm": qk(p + "attn_q_norm.weight", (d,), 1), "k_norm": qk(p + "attn_k_norm.weight", (d,), 1),
+                     "post_attn_norm": f.tensor(p + "post_attention_norm.weight", (h,)),
+                     "post_ffn_norm": f.tensor(p + "post_ffw_norm.weight", (h,))}  # fmt: skip
         b_qkv = None
         if f.has_tensor(p + "attn_q.bias"):
             b_qkv = np.concatenate([qk(p + "attn_q.bias", (q_w,), cfg.heads),
@@ -212,7 +252,7 @@ def load_decoder(path: str | Path) -> DecoderModel:
             ffn_norm=f.tensor(p + "ffn_norm.weight", (h,)),
             w_gate_up=np.ascontiguousarray(np.concatenate([f.tensor(p + "ffn_gate.weight", (inter, h)),
                                                            f.tensor(p + "ffn_up.weight", (inter, h))]).T),
-            w_down=t(p + "ffn_down.weight", h, inter),
+            w_down=t(p + "ffn_down.weight", h, inter), **extra,
         ))  # fmt: skip
     embed = f.tensor("token_embd.weight", (cfg.vocab, h))
     lm_head = f.tensor("output.weight", (cfg.vocab, h)) if f.has_tensor("output.weight") else embed
@@ -220,6 +260,10 @@ def load_decoder(path: str | Path) -> DecoderModel:
     inv_freq = 1.0 / np.float32(cfg.rope_base) ** (np.arange(0, r, 2, dtype=np.float32) / np.float32(r))
     if f.has_tensor("rope_freqs.weight"):  # Llama 3.1's per-pair frequency factors: angles divided by them
         inv_freq = inv_freq / f.tensor("rope_freqs.weight", (r // 2,))
+    local = None
+    if cfg.local_layers and cfg.local_rope_base:
+        local = (1.0 / np.float32(cfg.local_rope_base) ** (np.arange(0, r, 2, dtype=np.float32) / np.float32(r)))
     return DecoderModel(config=cfg, tokenizer=tokenizer, embed=embed, layers=layers,
                         norm=f.tensor("output_norm.weight", (h,)), lm_head=lm_head,
-                        inv_freq=inv_freq.astype(np.float32), path=Path(path))  # fmt: skip
+                        inv_freq=inv_freq.astype(np.float32), path=Path(path),
+                        local_inv_freq=None if local is None else local.astype(np.float32))  # fmt: skip

@@ -9,15 +9,18 @@ it owns) and leaves its inputs alone. All arithmetic is fp32.
 - ``rmsnorm(x [T, H], g [H], eps) -> [T, H]``: ``x / sqrt(mean(x^2) + eps) * g``.
 - ``rope(x [T, heads, d], cos [T, r/2], sin [T, r/2]) -> [T, heads, d]``: rotates the pairs ``(x[2i], x[2i+1])``
   of each head's first ``r`` dimensions by angle ``i`` (llama.cpp's layout of Q and K in a GGUF file).
-- ``attention(q [t, heads, d], k [kv_heads, L, d], v [kv_heads, L, d], start) -> [t, heads, d]``: scaled dot
-  product attention of ``t`` queries at positions ``start..start+t-1`` over ``L = start + t`` cached keys,
-  causal; query head ``h`` reads key-value head ``h // (heads / kv_heads)`` (grouped-query attention).
-- ``decode_attention(q [B, heads, d], caches, layer, lengths) -> [B, heads, d]``: one decode step's attention for
-  ``B`` sequences at once, each one query (its newest position) over its own cache: ``caches[i]`` is sequence
-  ``i``'s :class:`runtime.decoder.model.KVCache` (the layer's keys ``k[layer]``, ``[kv_heads, capacity, d]``, and
-  values ``v[layer]``, their addresses in ``addresses[layer]``), the first ``lengths[i]`` positions filled (the
-  query's own included).
+- ``attention(q [t, heads, d], k [kv_heads, L, d], v [kv_heads, L, d], start, window) -> [t, heads, d]``: scaled
+  dot product attention (scale ``1 / sqrt(d)``: a model of another scale scales ``q``) of ``t`` queries at
+  positions ``start..start+t-1`` over ``L = start + t`` cached keys, causal; query head ``h`` reads key-value head
+  ``h // (heads / kv_heads)`` (grouped-query attention). Where ``window`` is not 0, the query at position ``p``
+  sees the keys at ``p - window + 1..p`` only (a sliding-window layer).
+- ``decode_attention(q [B, heads, d], caches, layer, lengths, window) -> [B, heads, d]``: one decode step's
+  attention for ``B`` sequences at once, each one query (its newest position) over its own cache: ``caches[i]``
+  is sequence ``i``'s :class:`runtime.decoder.model.KVCache` (the layer's keys ``k[layer]``, ``[kv_heads,
+  capacity, d]``, and values ``v[layer]``, their addresses in ``addresses[layer]``), the first ``lengths[i]``
+  positions filled (the query's own included); of them, the last ``window`` where it is not 0.
 - ``swiglu(gu [T, 2I]) -> [T, I]``: ``silu(gate) * up`` of the fused projection (gate first).
+- ``geglu(gu [T, 2I]) -> [T, I]``: ``gelu(gate) * up``, GELU's tanh approximation (Gemma's MLP).
 - ``lm_head(x [T, H], w [vocab, H]) -> [T, vocab]``: the logits, ``x @ w.T`` (``w`` is the embedding matrix
   where the model ties them).
 """
@@ -33,10 +36,10 @@ import numpy as np
 if TYPE_CHECKING:
     from runtime.decoder.model import KVCache
 
-__all__ = ["DECODER_SLOTS", "DecoderOps", "np_attention", "np_decode_attention", "np_linear", "np_lm_head",
-           "np_rmsnorm", "np_rope", "np_swiglu"]  # fmt: skip
+__all__ = ["DECODER_SLOTS", "DecoderOps", "np_attention", "np_decode_attention", "np_geglu", "np_linear",
+           "np_lm_head", "np_rmsnorm", "np_rope", "np_swiglu"]  # fmt: skip
 
-DECODER_SLOTS = ("linear", "rmsnorm", "rope", "attention", "decode_attention", "swiglu", "lm_head")
+DECODER_SLOTS = ("linear", "rmsnorm", "rope", "attention", "decode_attention", "swiglu", "geglu", "lm_head")
 """The decoder's operator slots."""
 
 
@@ -64,8 +67,11 @@ def np_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
-def np_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+def np_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int = 0) -> np.ndarray:
     t, heads, d = q.shape
+    if window and start >= window:  # keys before the first query's window: no query of the chunk sees them
+        first = start + 1 - window
+        k, v, start = k[:, first:], v[:, first:], window - 1
     kv_heads, length, _ = k.shape
     group = heads // kv_heads
     # [heads, t, d] -> [kv_heads, group * t, d]: the query heads that share a key-value head, stacked
@@ -73,8 +79,11 @@ def np_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.
     scores = qg @ k.transpose(0, 2, 1)  # [kv_heads, group * t, L]
     scores *= np.float32(1.0 / np.sqrt(d))
     if t > 1:  # a single query (a decode step) sees every cached key
-        future = np.arange(length)[None, :] > start + np.arange(t)[:, None]  # [t, L]
-        scores.reshape(kv_heads, group, t, length)[:, :, future] = -np.inf
+        keys, queries = np.arange(length)[None, :], start + np.arange(t)[:, None]
+        hidden = keys > queries  # [t, L]: the future
+        if window:
+            hidden |= keys <= queries - window
+        scores.reshape(kv_heads, group, t, length)[:, :, hidden] = -np.inf
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
@@ -82,10 +91,12 @@ def np_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.
     return out.reshape(heads, t, d).transpose(1, 0, 2)
 
 
-def np_decode_attention(q: np.ndarray, caches: Sequence[KVCache], layer: int, lengths: Sequence[int]) -> np.ndarray:
+def np_decode_attention(q: np.ndarray, caches: Sequence[KVCache], layer: int, lengths: Sequence[int],
+                        window: int = 0) -> np.ndarray:  # fmt: skip
     out = np.empty_like(q)
     for i, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
-        out[i] = np_attention(q[i : i + 1], cache.k[layer][:, :n], cache.v[layer][:, :n], n - 1)[0]
+        first = max(0, n - window) if window else 0
+        out[i] = np_attention(q[i : i + 1], cache.k[layer][:, first:n], cache.v[layer][:, first:n], n - 1 - first)[0]
     return out
 
 
@@ -101,6 +112,23 @@ def np_swiglu(gu: np.ndarray) -> np.ndarray:
     return out
 
 
+def np_geglu(gu: np.ndarray) -> np.ndarray:
+    half = gu.shape[-1] // 2
+    gate, up = gu[:, :half], gu[:, half:]
+    # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as transformers' gelu_pytorch_tanh computes it
+    inner = gate * gate
+    inner *= np.float32(0.044715)
+    inner += 1.0
+    inner *= gate
+    inner *= np.float32(np.sqrt(2.0 / np.pi))
+    np.tanh(inner, out=inner)
+    inner += 1.0
+    inner *= gate
+    inner *= np.float32(0.5)
+    inner *= up
+    return inner
+
+
 def np_lm_head(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x @ w.T
 
@@ -112,7 +140,9 @@ class DecoderOps:
     linear: Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray] = np_linear
     rmsnorm: Callable[[np.ndarray, np.ndarray, float], np.ndarray] = np_rmsnorm
     rope: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] = np_rope
-    attention: Callable[[np.ndarray, np.ndarray, np.ndarray, int], np.ndarray] = np_attention
-    decode_attention: Callable[[np.ndarray, Sequence[KVCache], int, Sequence[int]], np.ndarray] = np_decode_attention
+    attention: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], np.ndarray] = np_attention
+    decode_attention: Callable[[np.ndarray, Sequence[KVCache], int, Sequence[int], int], np.ndarray] = (
+        np_decode_attention)  # fmt: skip
     swiglu: Callable[[np.ndarray], np.ndarray] = np_swiglu
+    geglu: Callable[[np.ndarray], np.ndarray] = np_geglu
     lm_head: Callable[[np.ndarray, np.ndarray], np.ndarray] = np_lm_head

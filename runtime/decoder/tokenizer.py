@@ -3,10 +3,12 @@
 A GGUF file carries no ``tokenizer.json``: it stores the vocabulary (``tokenizer.ggml.tokens``, each with a
 type: normal, control, user-defined...), the BPE merges, the special token ids, whether to add BOS, the
 name of the pre-tokenizer (``tokenizer.ggml.pre``: how text is split before the merges apply) and the
-chat template (Jinja). The tokenizer is a byte-level BPE (``tokenizer.ggml.model`` ``gpt2``) of the
-``tokenizers`` library: control tokens are special tokens and user-defined ones added tokens, both
-matched whole in the text, as llama.cpp and transformers do. The chat template renders in a sandboxed
-Jinja environment with the variables and helpers transformers gives it.
+chat template (Jinja). The tokenizer is a BPE of the ``tokenizers`` library: byte-level (``tokenizer.ggml.model``
+``gpt2``), or SentencePiece's (``llama``: spaces written "▁", bytes outside the vocabulary as ``<0xNN>`` tokens,
+merges recovered from the vocabulary's order, as transformers recovers them). Control tokens are special tokens
+and user-defined ones added tokens, both matched whole in the text, as llama.cpp and transformers do. The chat
+template renders in a sandboxed Jinja environment with the variables and helpers transformers gives it; a Gemma
+file without one gets Gemma's turn format (:data:`GEMMA_CHAT_TEMPLATE`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,21 @@ __all__ = ["ChatTemplate", "ChatTemplateError", "Tokenizer"]
 log = logging.getLogger(__name__)
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+_SPACE = "\u2581"  # SentencePiece's space
+
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}{% else %}"
+    "{% if m['role'] not in ['user', 'assistant', 'model'] %}{{ raise_exception('unknown role ' + m['role']) }}"
+    "{% endif %}{{ '<start_of_turn>' + ('model' if m['role'] != 'user' else 'user') + '\n' + ns.system"
+    " + (m['content'] | trim) + '<end_of_turn>\n' }}{% set ns.system = '' %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+"""Gemma's turns, for a Gemma file that carries no chat template (as llama.cpp's Gemma format writes them: a
+system message opens the next user turn; assistant turns are the model's)."""
+
+_END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>")
+"""Control tokens that end a turn; llama.cpp ends a generation at them where the file names no end-of-turn id."""
 
 # tokenizer.ggml.pre -> the regular expression llama.cpp splits text with before byte-level BPE applies
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -87,23 +104,26 @@ class Tokenizer:
         if kind is None or f.get("tokenizer.ggml.tokens") is None:
             raise GGUFLoadError(f"{f.path}: the metadata has no tokenizer (tokenizer.ggml.model and "
                                 "tokenizer.ggml.tokens); convert the model with its tokenizer")  # fmt: skip
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise GGUFLoadError(f"{f.path}: tokenizer.ggml.model {kind!r}; the decoder builds byte-level BPE "
-                                "tokenizers ('gpt2') only")  # fmt: skip
+                                "('gpt2') and SentencePiece BPE ('llama') tokenizers only")  # fmt: skip
         tokens: list[str] = f.require("tokenizer.ggml.tokens")
-        merges: list[str] = f.require("tokenizer.ggml.merges")
         types: list[int] = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        alphabet = set(_BYTE_CHARS.values())
-        # a token stored in raw text (not the byte alphabet) is respelled, as byte-level BPE looks it up
-        spelled = [t if set(t) <= alphabet else "".join(_BYTE_CHARS[b] for b in t.encode()) for t in tokens]
-        vocab = {t: i for i, t in enumerate(spelled)}
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(f.get("tokenizer.ggml.pre", "default"))
-        backend.decoder = decoders.ByteLevel()
+        if kind == "gpt2":
+            alphabet = set(_BYTE_CHARS.values())
+            # a token stored in raw text (not the byte alphabet) is respelled, as byte-level BPE looks it up
+            spelled = [t if set(t) <= alphabet else "".join(_BYTE_CHARS[b] for b in t.encode()) for t in tokens]
+            vocab = {t: i for i, t in enumerate(spelled)}
+            pairs = [tuple(m.split(" ", 1)) for m in f.require("tokenizer.ggml.merges")]
+            backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+            backend.pre_tokenizer = _byte_level_pre_tokenizer(f.get("tokenizer.ggml.pre", "default"))
+            backend.decoder = decoders.ByteLevel()
+        else:
+            alphabet = None
+            backend = _sentencepiece_backend(f, tokens)
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                     for t, kind_ in zip(tokens, types, strict=True)
-                                    if kind_ == _CONTROL and set(t) <= alphabet])  # fmt: skip
+                                    if kind_ == _CONTROL and (alphabet is None or set(t) <= alphabet)])  # fmt: skip
         backend.add_tokens([AddedToken(t, normalized=False, special=False)
                             for t, kind_ in zip(tokens, types, strict=True) if kind_ == _USER_DEFINED])  # fmt: skip
 
@@ -116,8 +136,14 @@ class Tokenizer:
                     for name, i in (("bos", bos), ("eos", eos), ("unk", token_id("unknown")),
                                     ("pad", token_id("padding")))}  # fmt: skip
         source = f.get("tokenizer.chat_template")
+        if source is None and str(f.get("general.architecture", "")).startswith("gemma"):
+            log.info("%s has no chat template: chats are rendered in Gemma's turn format", f.path)
+            source = GEMMA_CHAT_TEMPLATE
         template = ChatTemplate(source, specials) if isinstance(source, str) else None
         ends = [i for i in (token_id("eot"), token_id("eom")) if i is not None]
+        if not ends:  # as llama.cpp: a control token that closes a turn ends a generation
+            ends = [i for i, (t, kind_) in enumerate(zip(tokens, types, strict=True))
+                    if kind_ == _CONTROL and t in _END_OF_TURN]  # fmt: skip
         return cls(backend, bos_id=bos, eos_id=eos, pad_id=token_id("padding"), end_ids=ends,
                    add_bos=bool(f.get("tokenizer.ggml.add_bos_token", False)), chat_template=template)  # fmt: skip
 
@@ -149,6 +175,47 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         """The ids of the rendered chat; no BOS is added (a template writes it where the model wants it)."""
         return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt), add_bos=False)
+
+
+def _sentencepiece_backend(f: GGUFFile, tokens: list[str]) -> Any:
+    """SentencePiece's BPE as a ``tokenizers`` BPE: the merges its scores imply (for Gemma, its order: the scores
+    of its whitespace tokens do not follow their merges), byte fallback, spaces written "▁"."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    gemma = str(f.get("general.architecture", "")).startswith("gemma")
+    # Gemma stores a token of spaces alone as spaces; it is looked up as "▁"s
+    spelled = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    if gemma or f.get("tokenizer.ggml.scores") is None:
+        rank = {t: -i for t, i in vocab.items()}
+    else:
+        rank = dict(zip(spelled, (float(s) for s in f.require("tokenizer.ggml.scores")), strict=True))
+    unk = f.get("tokenizer.ggml.unknown_token_id")
+    model = models.BPE(vocab=vocab, merges=_implied_merges(vocab, rank), fuse_unk=True, byte_fallback=True,
+                       unk_token=tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None)  # fmt: skip
+    backend = Backend(model)
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if f.get("tokenizer.ggml.add_space_prefix", not gemma):  # "Hi" is "▁Hi", as SentencePiece's default
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="first", split=False)
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        backend.normalizer = normalizers.Replace(" ", _SPACE)
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _implied_merges(vocab: Mapping[str, int], rank: Mapping[str, float]) -> list[tuple[str, str]]:
+    """Every split of each token into two tokens of the vocabulary, best-ranked token first (for one token, the
+    longer left part first): the merges a BPE needs to rebuild SentencePiece's segmentation."""
+    found = []
+    for token, score in rank.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                found.append((-score, -cut, -len(right), vocab[left], vocab[right], left, right))
+    found.sort()
+    return [(m[5], m[6]) for m in found]
 
 
 class ChatTemplate:

@@ -9,13 +9,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gguf_models import Vocabulary, make_hf_model, smollm2_file, train_vocabulary, write_gguf
+from gguf_models import Vocabulary, make_hf_model, smollm2_file, train_spm_vocabulary, train_vocabulary, write_gguf
 from model_fixtures import one_blas_thread, sentences  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="session")
 def vocabulary(sentences: list[str]) -> Vocabulary:
     return train_vocabulary(sentences)
+
+
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the decoder tests' kernels compile, once per session."""
+    return tmp_path_factory.mktemp("decoder-kernels")
+
+
+@pytest.fixture(scope="session")
+def spm_vocabulary(sentences: list[str]) -> Vocabulary:
+    return train_spm_vocabulary(sentences)
 
 
 @dataclass
@@ -29,12 +40,14 @@ class Tiny:
 
 
 # (architecture, matrix type, tied embeddings, add BOS): Llama as it is written untied in F32, tied in Q8_0,
-# and Qwen2 (biases on Q, K and V; Q and K stored for the half-split RoPE)
+# Qwen2 (biases on Q, K and V; Q and K stored for the half-split RoPE), and Gemma 3 (its SentencePiece
+# tokenizer, QK and post norms, GeGLU, sliding-window layers)
 TINY_CASES = {"llama-f32": ("llama", "F32", False, True), "llama-q8_0": ("llama", "Q8_0", True, False),
-              "qwen2-f32": ("qwen2", "F32", True, False)}  # fmt: skip
+              "qwen2-f32": ("qwen2", "F32", True, False), "gemma3-f32": ("gemma3", "F32", True, True)}  # fmt: skip
 
 
 def build_tiny(root: Path, vocabulary: Vocabulary, case: str) -> Tiny:
+    """The tiny decoder of ``case`` with ``vocabulary`` (a SentencePiece one for Gemma 3)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
@@ -51,13 +64,15 @@ def build_tiny(root: Path, vocabulary: Vocabulary, case: str) -> Tiny:
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory, vocabulary: Vocabulary) -> Callable[[str], Tiny]:
+def tiny_models(tmp_path_factory: pytest.TempPathFactory, vocabulary: Vocabulary,
+                spm_vocabulary: Vocabulary) -> Callable[[str], Tiny]:  # fmt: skip
     """Each tiny case, built once on first use."""
     built: dict[str, Tiny] = {}
 
     def get(case: str) -> Tiny:
         if case not in built:
-            built[case] = build_tiny(tmp_path_factory.mktemp(case), vocabulary, case)
+            words = spm_vocabulary if TINY_CASES[case][0] == "gemma3" else vocabulary
+            built[case] = build_tiny(tmp_path_factory.mktemp(case), words, case)
         return built[case]
 
     return get

@@ -5,7 +5,6 @@ floor against fp32 and still answers, and under ``EVOFORGE_CPU_ISA=avx2`` the AV
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,11 +20,6 @@ from runtime.tasks.linear_int8 import int8_linear_reference, pack_int8
 RNG = np.random.default_rng(11)
 tiny_group = pytest.mark.xdist_group("decoder-tiny")
 smollm2_group = pytest.mark.xdist_group("decoder-smollm2")
-
-
-@pytest.fixture(scope="session")
-def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("decoder-kernels")
 
 
 @pytest.fixture

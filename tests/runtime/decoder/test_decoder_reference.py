@@ -46,6 +46,9 @@ def test_tokenizer_matches_transformers(tiny, text):
 
 
 def test_chat_prompt_matches_transformers(tiny):
+    """The file's ChatML template as transformers renders it (Gemma's file has none: tests/.../test_gemma3.py)."""
+    if tiny.decoder.model.config.architecture == "gemma3":
+        pytest.skip("the tiny Gemma 3 file carries no chat template; test_gemma3 checks the built-in one")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
                 {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}]  # fmt: skip
     tok, ref = tiny.decoder.tokenizer, tiny.reference_tokenizer
