@@ -2,14 +2,15 @@
 
 A GGUF file is llama.cpp's format: a header of typed key-value metadata (the model's hyperparameters
 under ``{architecture}.*``, the tokenizer under ``tokenizer.*``) and tensors, each in its own type (F32,
-F16, BF16 or a block quantisation such as Q4_0, Q8_0, Q4_K, Q6_K). The ``gguf`` package reads both;
-every type its ``gguf.quants`` dequantises loads here. Tensor shapes in the file list the fastest axis
+F16, BF16 or a block quantisation such as Q4_0, Q8_0, Q4_K, Q6_K). The header is parsed here; every type
+the ``gguf`` package's ``gguf.quants`` dequantises loads. Tensor shapes in the file list the fastest axis
 first (ggml's ``ne``), the reverse of numpy's: a linear layer's weight is ``[in, out]`` there and
 ``[out, in]`` here.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,29 +76,36 @@ class DecoderConfig:
         return self.kv_heads * self.head_dim
 
 
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    shape: tuple[int, ...]  # numpy's axis order: the file's dimensions reversed
+    qtype: Any  # gguf.GGMLQuantizationType
+    data: np.ndarray  # uint8 [rows, bytes of a row], a view of the mapped file
+
+
 class GGUFFile:
     """An open GGUF file: :meth:`get` reads metadata, :meth:`tensor` a weight dequantised to fp32 ``[out, in]``.
 
-    Raises :class:`GGUFLoadError` for a path that is missing or not a GGUF file. Opening parses the whole
-    header (for a 49k-token vocabulary, a few seconds: the ``gguf`` reader builds one array per token).
+    Raises :class:`GGUFLoadError` for a path that is missing or not a GGUF file. The header is parsed here
+    (:func:`_parse_header`): the ``gguf`` package's reader builds numpy views of every element of every array,
+    which for Gemma 3's 262k-token vocabulary took 36 s; this takes well under one. Tensors stay in the mapped
+    file until :meth:`tensor` dequantises one (with ``gguf.quants``).
     """
 
     def __init__(self, path: str | Path) -> None:
-        from gguf import GGUFReader
-
         self.path = Path(path)
         if not self.path.is_file():
             raise GGUFLoadError(f"{self.path}: no such file")
         try:
-            self._reader = GGUFReader(self.path)
-        except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, KeyError or struct errors
-            raise GGUFLoadError(f"{self.path} is not a GGUF file the gguf reader can open ({exc})") from None
-        self._tensors = {t.name: t for t in self._reader.tensors}
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+            self._fields, self._tensors = _parse_header(self._map)
+        except (ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:
+            raise GGUFLoadError(f"{self.path} is not a GGUF file the decoder can read ({exc})") from None
 
     def get(self, key: str, default: Any = None) -> Any:
         """The metadata value of ``key`` (a Python scalar, string or list), ``default`` where it is absent."""
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self._fields.get(key, default)
 
     def require(self, key: str) -> Any:
         """The metadata value of ``key``; a :class:`GGUFLoadError` naming the key where it is absent."""
@@ -115,7 +123,7 @@ class GGUFFile:
     def shape(self, name: str) -> tuple[int, ...] | None:
         """The shape of tensor ``name`` in numpy's axis order (``None`` where the file has no such tensor)."""
         t = self._tensors.get(name)
-        return None if t is None else tuple(int(n) for n in reversed(t.shape.tolist()))
+        return None if t is None else t.shape
 
     def check_types(self) -> None:
         """Raises :class:`GGUFLoadError` naming the first tensor whose type cannot be dequantised (probing one row
@@ -124,9 +132,9 @@ class GGUFFile:
 
         for t in self._tensors.values():
             try:
-                dequantize(t.data[:1], t.tensor_type)
+                dequantize(t.data[:1], t.qtype)
             except NotImplementedError:
-                raise self._unreadable(t.name, t.tensor_type.name) from None
+                raise self._unreadable(t.name, t.qtype.name) from None
 
     def _unreadable(self, name: str, type_name: str) -> GGUFLoadError:
         return GGUFLoadError(f"{self.path}: tensor {name} is of type {type_name}, which the gguf package cannot "
@@ -142,15 +150,85 @@ class GGUFFile:
             raise GGUFLoadError(f"{self.path} has no tensor {name!r}: not a complete "
                                 f"{self.get('general.architecture')} model")  # fmt: skip
         try:
-            w = dequantize(t.data, t.tensor_type)
+            w = dequantize(t.data, t.qtype)
         except NotImplementedError:
-            raise self._unreadable(name, t.tensor_type.name) from None
-        shape = self.shape(name)
-        assert shape is not None
+            raise self._unreadable(name, t.qtype.name) from None
+        shape = t.shape
         if expect is not None and shape != expect:
             raise GGUFLoadError(f"{self.path}: tensor {name} is {list(shape)}, where the metadata implies "
                                 f"{list(expect)}")  # fmt: skip
         return np.ascontiguousarray(w.reshape(shape), dtype=np.float32)
+
+
+_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+            12: "<f8"}  # fmt: skip
+_STRING, _ARRAY = 8, 9  # GGUF's value types beside the scalars
+
+
+def _parse_header(buf: np.ndarray) -> tuple[dict[str, Any], dict[str, _Tensor]]:
+    """The metadata and the tensors of a GGUF file (version 2 or 3) mapped as ``buf``; a ValueError where it is
+    not one. Numeric arrays are read whole (``np.frombuffer``); strings one by one."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    raw = memoryview(buf)
+    if bytes(raw[:4]) != b"GGUF":
+        raise ValueError("no GGUF magic number")
+    version, tensor_count, kv_count = struct.unpack_from("<IQQ", raw, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version}; the decoder reads versions 2 and 3")
+    pos = 24
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", raw, pos)
+        pos += 8 + n
+        return bytes(raw[pos - n : pos]).decode("utf-8")
+
+    def value(kind: int) -> Any:
+        nonlocal pos
+        if kind == _STRING:
+            return string()
+        if kind == _ARRAY:
+            item, count = struct.unpack_from("<IQ", raw, pos)
+            pos += 12
+            if item == _STRING:
+                return [string() for _ in range(count)]
+            if item == _ARRAY:
+                return [value(_ARRAY) for _ in range(count)]
+            dtype = np.dtype(_SCALARS[item])
+            pos += count * dtype.itemsize
+            return np.frombuffer(raw, dtype, count, pos - count * dtype.itemsize).tolist()
+        dtype = np.dtype(_SCALARS[kind])
+        pos += dtype.itemsize
+        return np.frombuffer(raw, dtype, 1, pos - dtype.itemsize)[0].item()
+
+    fields: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = string()
+        (kind,) = struct.unpack_from("<I", raw, pos)
+        pos += 4
+        fields[key] = value(kind)
+    infos = []
+    for _ in range(tensor_count):
+        name = string()
+        (dims,) = struct.unpack_from("<I", raw, pos)
+        ne = struct.unpack_from(f"<{dims}Q", raw, pos + 4)
+        qtype, offset = struct.unpack_from("<IQ", raw, pos + 4 + 8 * dims)
+        pos += 4 + 8 * dims + 12
+        infos.append((name, ne, GGMLQuantizationType(qtype), offset))
+    align = int(fields.get("general.alignment", 32))
+    start = (pos + align - 1) // align * align
+    tensors = {}
+    for name, ne, qtype, offset in infos:
+        block, size = GGML_QUANT_SIZES[qtype]
+        row = ne[0] // block * size
+        rows = int(np.prod(ne[1:], dtype=np.int64)) if len(ne) > 1 else 1
+        begin = start + offset
+        if begin + rows * row > len(buf):
+            raise ValueError(f"tensor {name} runs past the end of the file")
+        data = buf[begin : begin + rows * row].reshape(rows, row)
+        tensors[name] = _Tensor(name, tuple(int(n) for n in reversed(ne)), qtype, data)
+    return fields, tensors
 
 
 def read_config(f: GGUFFile) -> DecoderConfig:
