@@ -45,7 +45,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from decoder_vs_llama_cpp import smollm2  # noqa: E402 - beside this script
+from _models import gguf_model  # noqa: E402 - beside this script
 
 LLAMA = "llama-server"
 
@@ -232,7 +232,7 @@ def _start(name: str, args: argparse.Namespace, log_dir: Path, *, no_repack: boo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="a Llama-family GGUF file (default: SmolLM2-135M)")
+    ap.add_argument("--model", default="smollm2", help="a GGUF file, or smollm2 or gemma3 (their packages' files)")
     ap.add_argument("--llama-server", default=shutil.which("llama-server") or os.environ.get("LLAMA_SERVER"),
                     help="llama-server's binary (default: on PATH, or $LLAMA_SERVER)")  # fmt: skip
     ap.add_argument("--linear", nargs="+", default=["numpy", "int8"], help="evo serve contestants, by --linear")
@@ -248,7 +248,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="rounds per contestant (the median is reported)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    args.model = args.model or smollm2()
+    args.model = gguf_model(args.model)
     if not args.llama_server or not Path(args.llama_server).exists():
         sys.exit("error: no llama-server: build it with bench/build_llama_server.sh and give --llama-server PATH")
     for flags in [f"--linear {x}" for x in args.linear] + args.ours:

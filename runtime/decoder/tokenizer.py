@@ -124,8 +124,12 @@ class Tokenizer:
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                     for t, kind_ in zip(tokens, types, strict=True)
                                     if kind_ == _CONTROL and (alphabet is None or set(t) <= alphabet)])  # fmt: skip
+        # a user-defined token the model's vocabulary spells otherwise (Gemma's runs of spaces) would get an id past
+        # the vocabulary: those are left to the model's own pieces, as transformers leaves them
+        known = backend.get_vocab(with_added_tokens=False)
         backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                            for t, kind_ in zip(tokens, types, strict=True) if kind_ == _USER_DEFINED])  # fmt: skip
+                            for t, kind_ in zip(tokens, types, strict=True)
+                            if kind_ == _USER_DEFINED and t in known])  # fmt: skip
 
         def token_id(name: str) -> int | None:
             value = f.get(f"tokenizer.ggml.{name}_token_id")
