@@ -62,7 +62,7 @@ def test_schemathesis_finds_nothing_the_document_could_say(runs, run, key, tmp_p
     """A server of its own: schemathesis may switch its engine (/admin/elite) and fill its queue."""
     srv = start_server(runs[run], key=key)
     try:
-        done = _schemathesis(srv, tmp_path, examples=15)
+        done = _schemathesis(srv, tmp_path, examples=8)
     finally:
         stop(srv)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
@@ -77,7 +77,7 @@ def test_schemathesis_finds_nothing_the_chat_document_could_say(tmp_path) -> Non
     model = write_random_gguf(tmp_path / "tiny-chat.gguf", train_vocabulary(lines))
     srv = start_server(None, "--gguf", str(model), key=KEY)
     try:
-        done = _schemathesis(srv, tmp_path, examples=15, config_text=_CHAT_CONFIG)
+        done = _schemathesis(srv, tmp_path, examples=8, config_text=_CHAT_CONFIG)
     finally:
         stop(srv)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
