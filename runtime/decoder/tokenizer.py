@@ -25,7 +25,7 @@ __all__ = ["ChatTemplate", "ChatTemplateError", "Tokenizer"]
 
 log = logging.getLogger(__name__)
 
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+_CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6  # llama.cpp's token types
 _SPACE = "\u2581"  # SentencePiece's space
 
 GEMMA_CHAT_TEMPLATE = (
@@ -84,8 +84,10 @@ class Tokenizer:
         end_ids: Sequence[int] = (),
         add_bos: bool = False,
         chat_template: ChatTemplate | None = None,
+        pieces: _Pieces | None = None,
     ) -> None:
         self._tok = backend
+        self._pieces = pieces
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.add_bos = add_bos
         self.chat_template = chat_template
@@ -148,8 +150,10 @@ class Tokenizer:
         if not ends:  # as llama.cpp: a control token that closes a turn ends a generation
             ends = [i for i, (t, kind_) in enumerate(zip(tokens, types, strict=True))
                     if kind_ == _CONTROL and t in _END_OF_TURN]  # fmt: skip
+        pieces = None if kind == "gpt2" else _Pieces.of(f, tokens, types)
         return cls(backend, bos_id=bos, eos_id=eos, pad_id=token_id("padding"), end_ids=ends,
-                   add_bos=bool(f.get("tokenizer.ggml.add_bos_token", False)), chat_template=template)  # fmt: skip
+                   add_bos=bool(f.get("tokenizer.ggml.add_bos_token", False)), chat_template=template,
+                   pieces=pieces)  # fmt: skip
 
     @property
     def vocab_size(self) -> int:
@@ -165,6 +169,8 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         """The text of ``ids``; special tokens left out unless ``skip_special`` is false."""
+        if self._pieces is not None:
+            return self._pieces.decode(ids, skip_special)
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 
     def token(self, token_id: int) -> str | None:
@@ -207,6 +213,33 @@ def _sentencepiece_backend(f: GGUFFile, tokens: list[str]) -> Any:
         backend.normalizer = normalizers.Replace(" ", _SPACE)
     backend.decoder = decoders.Sequence(steps)
     return backend
+
+
+class _Pieces:
+    """A SentencePiece vocabulary's tokens as bytes, to decode ids as llama.cpp does: a byte token is its byte, the
+    bytes of all the tokens are joined, then read as UTF-8 (each invalid sequence one U+FFFD). The ``tokenizers``
+    byte-fallback decoder turns a whole run of byte tokens into U+FFFDs when any of them is invalid, so text
+    already streamed ("44") could become other text ("\ufffd\ufffd") when the next token came."""
+
+    def __init__(self, pieces: list[bytes], special: frozenset[int], strip_space: bool) -> None:
+        self.pieces, self.special, self.strip_space = pieces, special, strip_space
+
+    @classmethod
+    def of(cls, f: GGUFFile, tokens: list[str], types: list[int]) -> _Pieces:
+        pieces = []
+        for t, kind in zip(tokens, types, strict=True):
+            if kind == _BYTE and len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+                pieces.append(bytes([int(t[3:5], 16)]))
+            else:
+                pieces.append(t.replace(_SPACE, " ").encode())
+        gemma = str(f.get("general.architecture", "")).startswith("gemma")
+        special = frozenset(i for i, kind in enumerate(types) if kind == _CONTROL)
+        return cls(pieces, special, bool(f.get("tokenizer.ggml.add_space_prefix", not gemma)))
+
+    def decode(self, ids: Sequence[int], skip_special: bool) -> str:
+        data = b"".join(self.pieces[i] for i in ids if not (skip_special and i in self.special))
+        text = data.decode("utf-8", errors="replace")
+        return text[1:] if self.strip_space and text.startswith(" ") else text
 
 
 def _implied_merges(vocab: Mapping[str, int], rank: Mapping[str, float]) -> list[tuple[str, str]]:

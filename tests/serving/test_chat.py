@@ -334,3 +334,35 @@ def test_engine_options_are_refused_where_they_do_not_apply(tiny_gguf: Path, tmp
         done = evo(*args)
         assert done.returncode == 2 and says in done.stderr, (args, done.stderr)
         assert "Traceback" not in done.stderr
+
+
+def test_a_gemma3_file_is_served_as_the_decoder_runs_it(tmp_path: Path) -> None:
+    """A tiny Gemma 3 (SentencePiece tokenizer, no chat template in the file, sliding windows of 16 positions):
+    streamed chat and completions past its window are what the decoder generates in process on the same slots
+    (the decode steps' attention and RMSNorm in C, one thread)."""
+    pytest.importorskip("transformers")
+    from gguf_models import make_hf_model, train_spm_vocabulary, write_gguf
+
+    from runtime.decoder import Decoder, DecoderOps
+    from runtime.decoder.kernels import c_decode_attention, c_rmsnorm
+
+    lines = [s for s in (DATA / "sentences.txt").read_text(encoding="utf-8").splitlines() if s.strip()]
+    vocab = train_spm_vocabulary(lines)
+    path = write_gguf(tmp_path / "tiny-gemma.gguf", make_hf_model("gemma3", len(vocab.tokens), tied=True), vocab,
+                      arch="gemma3", add_bos=True)  # fmt: skip
+    decoder = Decoder.load(path, ops=DecoderOps(decode_attention=c_decode_attention(), rmsnorm=c_rmsnorm()))
+    srv = start_server(None, "--gguf", str(path), "--threads", "1")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for messages in CHATS:
+            want = decoder.generate(messages, max_tokens=40)
+            chunks = client.chat.completions.create(model="tiny-gemma", messages=messages, max_tokens=40,
+                                                    temperature=0, stream=True)  # fmt: skip
+            pieces = [c.choices[0] for c in chunks if c.choices]
+            assert "".join(p.delta.content or "" for p in pieces) == want.text
+            assert pieces[-1].finish_reason == want.finish_reason
+        want = decoder.generate("The quick brown fox", max_tokens=40)
+        got = client.completions.create(model="tiny-gemma", prompt="The quick brown fox", max_tokens=40, temperature=0)
+        assert got.choices[0].text == want.text and got.usage.prompt_tokens == want.prompt_tokens
+    finally:
+        stop(srv)

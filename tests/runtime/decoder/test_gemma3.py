@@ -100,3 +100,14 @@ def test_a_gemma_file_without_a_template_chats_in_gemma_turns(gemma):
     assert tok.encode_chat(messages) == gemma.reference_tokenizer(text, add_special_tokens=False).input_ids
     end_of_turn = tok.encode("<end_of_turn>", add_bos=False)
     assert len(end_of_turn) == 1 and end_of_turn[0] in tok.end_ids and tok.eos_id in tok.end_ids
+
+
+def test_byte_tokens_decode_as_bytes_so_streamed_text_never_changes(gemma):
+    """"44" then an invalid byte is "44" and one U+FFFD: text already streamed stays as it was."""
+    tok = gemma.decoder.tokenizer
+    four, bad = tok.encode("<0x34>", add_bos=False), [t for t in range(tok.vocab_size) if tok.token(t) == "<0xCA>"]
+    assert len(bad) == 1
+    byte_four = [t for t in range(tok.vocab_size) if tok.token(t) == "<0x34>"]
+    ids = byte_four * 2 + bad
+    assert tok.decode(ids[:2]) == "44" and tok.decode(ids) == "44\ufffd"
+    assert four != byte_four  # the text "<0x34>" is its characters, not the byte
