@@ -42,7 +42,8 @@ __all__ = ["serve"]
               help="--gguf: tokens one engine step runs (a token of each decoding request, then prompt chunks)")
 @click.option("--linear", default="numpy", show_default=True, metavar="numpy|PRECISION[:MATRIX=PRECISION,...]",
               help="--gguf: what runs the weight GEMMs and the LM head: numpy (fp32, BLAS) or the linear slot's C "
-              "kernel in fp32, int8 or bf16 (weights quantised at load), a matrix (qkv, o, gate_up, down, "
+              "kernel in fp32, int8, bf16 or q8 (int8 with activations scaled per 32 values; weights quantised at "
+              "load), a matrix (qkv, o, gate_up, down, "
               "lm_head) in another if named, e.g. int8:lm_head=fp32 (see the README for what each holds)")
 @click.option("--slots", type=click.Choice(["c", "numpy"]), default="c", show_default=True,
               help="--gguf: the slots besides the GEMMs: c runs a decode step's attention (every decoding request "

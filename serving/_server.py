@@ -85,8 +85,8 @@ def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, a
                threads: int | None = None) -> int:  # fmt: skip
     """Serves the chat model of the GGUF file ``path`` on the decoder engine until a signal; returns the exit code.
 
-    ``linear``: ``numpy`` runs the weight GEMMs and the LM head in numpy (BLAS); ``fp32``, ``int8`` or ``bf16``
-    on the linear slot's C kernel of that precision (:func:`runtime.decoder.kernels.decoder_ops`). ``slots``:
+    ``linear``: ``numpy`` runs the weight GEMMs and the LM head in numpy (BLAS); ``fp32``, ``int8``, ``bf16`` or
+    ``q8`` on the linear slot's C kernel of that precision (:func:`runtime.decoder.kernels.decoder_ops`). ``slots``:
     ``c`` runs each decode step's attention in one call of the attention_decode task's kernel, and RMSNorm on
     the rmsnorm task's; ``numpy`` runs them in numpy (the attention a sequence at a time). ``kv_dtype``: the KV
     cache's type, ``fp32`` or ``f16``. ``threads`` (default:

@@ -54,6 +54,16 @@ def _int8_expected(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return int8_linear_reference(x, *pack_int8(w), np.zeros(w.shape[1], np.float32))
 
 
+def _expected(precision: str, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    from runtime.tasks.linear_q8 import pack_q8, q8_linear_reference
+
+    if precision == "int8":
+        return _int8_expected(x, w)
+    if precision == "q8":
+        return q8_linear_reference(x, *pack_q8(w), np.zeros(w.shape[1], np.float32))
+    return x.astype(np.float64) @ w
+
+
 def _check_every_gemm(ops: DecoderOps, model: DecoderModel, precision: str) -> None:
     """Every weight of ``model`` and its LM head through ``ops`` at decode batch sizes, against the task's
     reference: int8 exactly as ``linear_int8`` computes it, fp32 to fp32's rounding."""
@@ -63,16 +73,14 @@ def _check_every_gemm(ops: DecoderOps, model: DecoderModel, precision: str) -> N
         for w in weights:
             x = (RNG.standard_normal((m, w.shape[0])) * 2).astype(np.float32)
             got = ops.linear(x, w, None)
-            if precision == "int8":
-                np.testing.assert_allclose(got, _int8_expected(x, w), rtol=1e-5, atol=1e-5)
-            else:
-                np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+            tight = 1e-5 if precision == "int8" else 1e-4
+            np.testing.assert_allclose(got, _expected(precision, x, w), rtol=tight, atol=tight)
     x = RNG.standard_normal((3, model.lm_head.shape[1])).astype(np.float32)
-    expected = _int8_expected(x, model.lm_head.T) if precision == "int8" else x.astype(np.float64) @ model.lm_head.T
+    expected = _expected(precision, x, model.lm_head.T)
     np.testing.assert_allclose(ops.lm_head(x, model.lm_head), expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("precision", ["int8", "fp32"])
+@pytest.mark.parametrize("precision", ["int8", "fp32", "q8"])
 def test_every_decoder_gemm_matches_its_task_at_decode_batches(precision, shaped, kernel_cache):
     """SmolLM2's shapes (QKV 576x960, output 576x576, gate-up 576x3072, down 1536x576, LM head 576x49152) at
     1 to 32 rows, through the kernel this CPU runs."""
@@ -133,7 +141,7 @@ def test_an_f16_cache_follows_the_fp32_one(llama, sentences, kernel_cache):
     near the fp32 cache's with the same greedy tokens; the cache and the scheduler's count take half the bytes."""
     import dataclasses
 
-    from runtime.decoder import Decoder, Scheduler, kv_bytes_per_token
+    from runtime.decoder import Scheduler, kv_bytes_per_token
 
     model = llama.decoder.model
     f16 = dataclasses.replace(model, kv_dtype=np.dtype(np.float16))
@@ -171,7 +179,7 @@ def test_one_matrix_may_keep_another_precision(llama, sentences, kernel_cache):
 
 
 def test_unknown_precisions_and_matrices_are_one_line_errors(shaped):
-    with pytest.raises(DecoderKernelError, match="^no precision 'int4': use one of fp32, int8, bf16$"):
+    with pytest.raises(DecoderKernelError, match="^no precision 'int4': use one of fp32, int8, bf16, q8$"):
         decoder_ops(shaped, "int4")  # type: ignore[arg-type]
     with pytest.raises(DecoderKernelError, match=r"^no matrix 'head': name some of qkv, o, gate_up, down, lm_head$"):
         decoder_ops(shaped, matrices={"head": "fp32"})  # type: ignore[dict-item]
@@ -207,8 +215,9 @@ def test_the_native_level_uses_the_widest_int8_kernel():
 @smollm2_group
 def test_smollm2_in_int8_against_fp32_and_the_floor(smollm2, sentences, kernel_cache):
     """Teacher-forced on the sentences against the fp32 engine: int8 on every matrix stays as measured (top-1 near 0.89,
-    mean KL near 0.03: below the default floor, and its answer to the capital of France loses Paris); int8 on the
-    attention output alone, the rest fp32, holds the floor and answers Paris."""
+    mean KL near 0.03: below the default floor); q8 on every matrix (both sides scaled per group of 32) holds it,
+    with under a quarter of int8's divergence. (The floor does not promise the same greedy answers: q8's first
+    token of the answer to the capital of France is not fp32's.)"""
     model = smollm2.model
     computed = forced_logits(model, DecoderOps())
     memo: dict[tuple[int, ...], np.ndarray] = {}
@@ -222,9 +231,6 @@ def test_smollm2_in_int8_against_fp32_and_the_floor(smollm2, sentences, kernel_c
     int8 = decoder_ops(model, "int8", cache_dir=kernel_cache)
     every = fidelity(model, reference, int8, sentences)
     assert 0.85 <= every.top1 < DEFAULT_FLOOR.top1 and DEFAULT_FLOOR.mean_kl < every.mean_kl <= 0.05, every
-    mixed = decoder_ops(model, "fp32", matrices={"o": "int8"}, cache_dir=kernel_cache)
-    held = fidelity(model, reference, mixed, sentences)
-    assert held.holds(), held
-    done = Decoder(model, ops=mixed).generate([{"role": "user", "content": "What is the capital of France?"}],
-                                             max_tokens=24)  # fmt: skip
-    assert "Paris" in done.text
+    q8 = decoder_ops(model, "q8", cache_dir=kernel_cache)
+    held = fidelity(model, reference, q8, sentences)
+    assert held.holds() and held.top1 > every.top1 and held.mean_kl < every.mean_kl / 4, held
