@@ -213,28 +213,23 @@ def write_state(path: Path, state: dict[str, np.ndarray], shape: Shape, vocab: V
         w.add_sliding_window(shape.sliding_window)
     else:
         w.add_rope_dimension_count(shape.hidden // heads)
-    if tokenizer and vocab is not None and vocab.model == "llama":
-        w.add_tokenizer_model("llama")
-        w.add_tokenizer_pre("default")
-        w.add_token_list(vocab.tokens)
-        w.add_token_scores(vocab.scores)
-        w.add_token_types(vocab.types)
-        w.add_bos_token_id(2)
-        w.add_eos_token_id(1)
-        w.add_unk_token_id(3)
-        w.add_pad_token_id(0)
-        w.add_add_bos_token(add_bos)
-        w.add_add_space_prefix(False)
-    elif tokenizer and vocab is not None:
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt2")
+    if tokenizer and vocab is not None:
+        spm = vocab.model == "llama"  # Gemma's ids: pad 0, eos 1, bos 2, unk 3; ChatML's: eos 2, bos 1
+        w.add_tokenizer_model(vocab.model)
+        w.add_tokenizer_pre("default" if spm else "gpt2")
         w.add_token_list(vocab.tokens)
         w.add_token_types(vocab.types)
-        w.add_token_merges(vocab.merges)
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
+        w.add_bos_token_id(2 if spm else 1)
+        w.add_eos_token_id(1 if spm else 2)
         w.add_add_bos_token(add_bos)
-        w.add_chat_template(CHAT_TEMPLATE)
+        if spm:
+            w.add_token_scores(vocab.scores)
+            w.add_unk_token_id(3)
+            w.add_pad_token_id(0)
+            w.add_add_space_prefix(False)
+        else:
+            w.add_token_merges(vocab.merges)
+            w.add_chat_template(CHAT_TEMPLATE)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}  # fmt: skip
     per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",

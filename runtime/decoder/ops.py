@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from runtime.activations import gelu_tanh
+
 if TYPE_CHECKING:
     from runtime.decoder.model import KVCache
 
@@ -114,19 +116,9 @@ def np_swiglu(gu: np.ndarray) -> np.ndarray:
 
 def np_geglu(gu: np.ndarray) -> np.ndarray:
     half = gu.shape[-1] // 2
-    gate, up = gu[:, :half], gu[:, half:]
-    # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as transformers' gelu_pytorch_tanh computes it
-    inner = gate * gate
-    inner *= np.float32(0.044715)
-    inner += 1.0
-    inner *= gate
-    inner *= np.float32(np.sqrt(2.0 / np.pi))
-    np.tanh(inner, out=inner)
-    inner += 1.0
-    inner *= gate
-    inner *= np.float32(0.5)
-    inner *= up
-    return inner
+    out = gelu_tanh(gu[:, :half])  # transformers' gelu_pytorch_tanh, Gemma's
+    out *= gu[:, half:]
+    return out
 
 
 def np_lm_head(x: np.ndarray, w: np.ndarray) -> np.ndarray:

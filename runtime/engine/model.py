@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from runtime.activations import gelu_tanh
 from runtime.engine.ops import Ops
 
 __all__ = ["Layer", "Model", "ModelConfig", "ModelLoadError", "Precision", "Tokenizer", "default_model_dir",
@@ -230,25 +231,11 @@ class Model:
         return ops.layernorm(down, w.ln2_g, w.ln2_b, cfg.eps)
 
 
-def _gelu_tanh(h: np.ndarray) -> np.ndarray:
-    """GELU's tanh approximation (HF's gelu_new): ``h * (1 + tanh(sqrt(2/pi) * (h + 0.044715 h^3))) / 2``."""
-    t = h * h
-    t *= np.float32(0.044715)
-    t += 1.0
-    t *= h
-    t *= np.float32(np.sqrt(2.0 / np.pi))
-    np.tanh(t, out=t)
-    t += 1.0
-    t *= h
-    t *= np.float32(0.5)
-    return t
-
-
 def _relu(h: np.ndarray) -> np.ndarray:
     return np.maximum(h, np.float32(0), out=h)
 
 
-_ACTIVATE = {"gelu_tanh": _gelu_tanh, "relu": _relu}
+_ACTIVATE = {"gelu_tanh": gelu_tanh, "relu": _relu}
 
 
 def quantize(w: np.ndarray, precision: Precision) -> np.ndarray:
