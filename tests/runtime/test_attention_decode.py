@@ -63,4 +63,6 @@ def test_the_sandbox_checks_and_times_it(tmp_path: Path, pool) -> None:
     assert got.status == Status.OK, got.error
     naive = AttentionDecode().seeds()[0].source
     slow = run(pool, request(str(tmp_path), naive, task=spec), timeout=120)
-    assert slow.status == Status.OK and 0 < slow.fitness < got.fitness
+    # each against the reference timed beside it: a load that comes and goes between the two runs moves both
+    assert slow.status == Status.OK and slow.fitness > 0
+    assert slow.metrics["vs_reference"] < got.metrics["vs_reference"], (slow.metrics, got.metrics)
