@@ -244,6 +244,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "linear_int8_avx2": "runtime.tasks.linear_int8_avx2:LinearInt8Avx2",
     "linear_f32": "runtime.tasks.linear_f32:LinearF32",
     "linear_q8": "runtime.tasks.linear_q8:LinearQ8",
+    "linear_q8_vnni": "runtime.tasks.linear_q8_vnni:LinearQ8Vnni",
     "attention_decode": "runtime.tasks.attention_decode:AttentionDecode",
     "rmsnorm": "runtime.tasks.rmsnorm:RMSNorm",
     "matmul_cuda": "runtime.tasks.matmul_cuda:MatmulCuda",

@@ -3,11 +3,11 @@
 :func:`decoder_ops` returns a :class:`DecoderOps` whose ``linear`` and ``lm_head`` run a linear-slot task's kernel
 (its seed register tile, or a genome given) over the model's weights, each quantised and packed once, here: int8
 (``linear_int8`` where the CPU has AVX512_VNNI, else ``linear_int8_avx2``: the same arithmetic, bit for bit), fp32
-(``linear_f32``, AVX2 and FMA), bf16 (``linear_bf16``, AVX512_BF16) or q8 (``linear_q8``, AVX2: int8 with the
-activations scaled per group of 32, as llama.cpp's Q8_0 blocks, which holds the fidelity floor on every matrix
-where per-token int8 does not). The CPU is the one :mod:`runtime.isa`
-shows (``EVOFORGE_CPU_ISA=avx2`` hides the AVX-512 kernels). Each matrix may take its own precision (e.g. the LM
-head in fp32, the rest int8). A reduced precision is checked against the fp32 engine with
+(``linear_f32``, AVX2 and FMA), bf16 (``linear_bf16``, AVX512_BF16) or q8 (``linear_q8_vnni`` where the CPU
+has AVX512_VNNI, else ``linear_q8`` on AVX2: int8 with both sides scaled per group of 32, as llama.cpp's Q8_0
+blocks, which holds the fidelity floor on every matrix where per-token int8 does not). The CPU is the one
+:mod:`runtime.isa` shows (``EVOFORGE_CPU_ISA=avx2`` hides the AVX-512 kernels). Each matrix may take its own
+precision (e.g. the LM head in fp32, the rest int8). A reduced precision is checked against the fp32 engine with
 :func:`runtime.decoder.fidelity.fidelity`.
 
 Kernels built with more than one thread use OpenMP, whose team is ``OMP_NUM_THREADS`` (all cores when unset), as
@@ -49,7 +49,7 @@ _TASKS: dict[str, tuple[str, ...]] = {
     "int8": ("linear_int8", "linear_int8_avx2"),
     "fp32": ("linear_f32",),
     "bf16": ("linear_bf16",),
-    "q8": ("linear_q8",),
+    "q8": ("linear_q8_vnni", "linear_q8"),
 }
 
 DEFAULT_CACHE = Path.home() / ".cache" / "evoforge" / "kernels"

@@ -141,6 +141,7 @@ class Avx2LinearTask(LinearTask):
 
     isa = "AVX2"
     registers: ClassVar[str] = "MR * NR + NR <= 14"  # the tile's accumulators and B vectors in 16 registers
+    lanes: ClassVar[int] = 8  # columns a vector (a sibling of this genome on AVX-512 vectors has 16)
 
     def space(self) -> ParamSpace:
         """The register tile (its accumulators, B vectors and broadcast A fit 16 registers: :attr:`registers`),
@@ -157,9 +158,10 @@ class Avx2LinearTask(LinearTask):
         )
 
     def descriptors(self) -> dict[str, Descriptor]:
-        name, what = self.block
+        name, what, lanes = *self.block, self.lanes
         return {
             **KernelTask.descriptors(self),
-            name: Descriptor(name, f"{what} accumulated per block: MR * NR * 8",
-                             lambda g, m: float(g.params.get("MR", 1) * g.params.get("NR", 1) * 8), 0.0, 256.0),
+            name: Descriptor(name, f"{what} accumulated per block: MR * NR * {lanes}",
+                             lambda g, m: float(g.params.get("MR", 1) * g.params.get("NR", 1) * lanes), 0.0,
+                             32.0 * lanes),
         }  # fmt: skip

@@ -12,6 +12,7 @@ from test_tasks import assert_correct, compile_kernel, random_points
 from genome import Genome
 from runtime.tasks._common import load_c_source
 from runtime.tasks.linear_q8 import LinearQ8, pack_q8, q8_linear_reference, quantize_groups
+from runtime.tasks.linear_q8_vnni import LinearQ8Vnni
 
 
 def test_the_reference_is_close_to_fp32_where_a_per_row_scale_is_not():
@@ -32,11 +33,17 @@ def test_the_reference_is_close_to_fp32_where_a_per_row_scale_is_not():
     assert q.dtype == np.int8 and s.shape == (8, 18) and np.abs(q).max() == 127
 
 
-def test_seeds_and_template_points_are_correct(tmp_path: Path) -> None:
-    task = LinearQ8()
+@pytest.mark.parametrize("cls", [LinearQ8, LinearQ8Vnni], ids=["avx2", "vnni"])
+def test_seeds_and_template_points_are_correct(cls, tmp_path: Path) -> None:
+    """The AVX2 task on every CPU; its VNNI sibling (the same arithmetic) where the CPU has AVX512-VNNI."""
+    from runtime.hardware import cpu_flags
+
+    if cls.slot.missing(cpu_flags()):
+        pytest.skip(f"this CPU has no {', '.join(cls.slot.missing(cpu_flags()))}: the avx2 case covers the task")
+    task = cls()
     for genome in [*task.seeds(), *random_points(task, 3, seed=4)]:
         assert_correct(task, compile_kernel(task, genome, tmp_path), np.random.default_rng(0))
-    threaded = LinearQ8({"threads": 2})
+    threaded = cls({"threads": 2})
     assert_correct(threaded, compile_kernel(threaded, threaded.seeds()[-1], tmp_path), np.random.default_rng(1))
 
 

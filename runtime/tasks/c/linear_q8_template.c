@@ -4,9 +4,10 @@
  *
  * Each row of x is quantised once per call, a panel of rows at a time, into a heap buffer of int8 values and one
  * scale per group. W comes quantised to s8, a scale per group of 32 rows of each column (w_scale[g * n + j]), and
- * packed in quads, wq[((kk/4)*n + j)*4 + kk%4] = wq[kk, j] (runtime.tasks.linear_q8.pack_q8). A quad of q broadcast to all 8 columns multiplies 32 bytes
- * of W quads: vpsignb moves q's sign onto W, vpmaddubsw multiplies |q| (u8) by it into int16 pairs (|q|, |w| <=
- * 127: a pair sum stays below 2^15, no saturation), vpmaddwd by ones gives each column's int32 sum of the quad.
+ * packed in quads, wq[((kk/4)*n + j)*4 + kk%4] = wq[kk, j] (runtime.tasks.linear_q8.pack_q8). A quad of q
+ * broadcast to all 8 columns multiplies 32 bytes of W quads: vpsignb moves q's sign onto W, vpmaddubsw
+ * multiplies |q| (u8) by it into int16 pairs (|q|, |w| <= 127: a pair sum stays below 2^15, no saturation),
+ * vpmaddwd by ones gives each column's int32 sum of the quad.
  * After a group's 8 quads the int32 sums are converted and added into fp32 accumulators with the product of the
  * group's two scales (one FMA). Requires k % 32 == 0, n % 8 == 0, m >= 1, AVX2 and FMA.
  *
