@@ -235,7 +235,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="a GGUF file, or smollm2 or gemma3 (their packages' files)")
     ap.add_argument("--llama-server", default=shutil.which("llama-server") or os.environ.get("LLAMA_SERVER"),
                     help="llama-server's binary (default: on PATH, or $LLAMA_SERVER)")  # fmt: skip
-    ap.add_argument("--linear", nargs="+", default=["numpy", "int8"], help="evo serve contestants, by --linear")
+    ap.add_argument("--linear", nargs="*", default=["numpy", "int8"],
+                    help="evo serve contestants, by --linear (none: only those of --ours)")
     ap.add_argument("--ours", nargs="+", default=[], metavar="FLAGS",
                     help="more evo serve contestants, each by its flags (e.g. '--linear int8 --kv-dtype f16')")
     ap.add_argument("--step-tokens", type=int, default=None, help="evo serve's --step-tokens (default: its own)")
