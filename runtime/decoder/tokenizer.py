@@ -237,7 +237,8 @@ class _Pieces:
         return cls(pieces, special, bool(f.get("tokenizer.ggml.add_space_prefix", not gemma)))
 
     def decode(self, ids: Sequence[int], skip_special: bool) -> str:
-        data = b"".join(self.pieces[i] for i in ids if not (skip_special and i in self.special))
+        size = len(self.pieces)  # an embedding may have rows past the vocabulary: their ids have no text
+        data = b"".join(self.pieces[i] for i in ids if 0 <= i < size and not (skip_special and i in self.special))
         text = data.decode("utf-8", errors="replace")
         return text[1:] if self.strip_space and text.startswith(" ") else text
 
