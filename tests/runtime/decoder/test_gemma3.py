@@ -111,3 +111,4 @@ def test_byte_tokens_decode_as_bytes_so_streamed_text_never_changes(gemma):
     ids = byte_four * 2 + bad
     assert tok.decode(ids[:2]) == "44" and tok.decode(ids) == "44\ufffd"
     assert four != byte_four  # the text "<0x34>" is its characters, not the byte
+    assert tok.decode([*byte_four, tok.vocab_size + 5]) == "4"  # an id past the vocabulary has no text
