@@ -290,8 +290,8 @@ def _gemma3(f: GGUFFile, config: DecoderConfig) -> DecoderConfig:
         local = tuple((i + 1) % pattern != 0 for i in range(layers))
     else:
         raise GGUFLoadError(f"{f.path}: {arch}.attention.sliding_window_pattern is {pattern!r}")
-    # llama.cpp's query scale: 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for the 62-layer 27B model
-    scale = (config.hidden / config.heads) ** -0.5 if layers == 62 else config.head_dim**-0.5
+    # llama.cpp's query scale: the slots' 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for the 62-layer 27B model
+    scale = (config.hidden / config.heads) ** -0.5 if layers == 62 else 0.0
     return replace(
         config, activation="gelu_tanh", embed_scale=config.hidden**0.5, attn_scale=scale,
         sliding_window=window, local_layers=local if window else (),

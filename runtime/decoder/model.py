@@ -171,7 +171,7 @@ class DecoderModel:
         mlp = ops.geglu if cfg.activation == "gelu_tanh" else ops.swiglu
         for li, layer in enumerate(self.layers):
             window = cfg.window(li)
-            cos, sin = tables[bool(window) and cfg.local_rope_base > 0]
+            cos, sin = tables[bool(window)]  # a sliding-window layer's own RoPE (the global one where none)
             qkv = ops.linear(ops.rmsnorm(x, layer.attn_norm, cfg.eps), layer.w_qkv, layer.b_qkv)
             q, k = qkv[:, :q_w], qkv[:, q_w : q_w + kv_w]
             if layer.q_norm is not None:
