@@ -53,11 +53,13 @@ __all__ = ["serve"]
               "rounded to f16)")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="--gguf: threads of the engine's GEMMs (BLAS or the C kernels) [default: every core]")
+@click.option("--max-running", default=64, show_default=True, type=click.IntRange(1, 4096),
+              help="--gguf: requests in the running batch at most; more wait for a place")
 @click.pass_context
 def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: Path | None, elite: str, host: str,
           port: int, api_key_env: str | None, max_in_flight: int, drain_timeout: float, warmup: int,
           body_timeout: float, kv_cache_mb: float, max_waiting: int, step_tokens: int, linear: str,
-          slots: str, kv_dtype: str, threads: int | None) -> None:
+          slots: str, kv_dtype: str, threads: int | None, max_running: int) -> None:
     """Serve RUN_DIR's engine elite: OpenAI-compatible /v1/embeddings, archive queries, kernel invocation,
     /health, /ready, /metrics. A run that is not an engine run (or has no ok engine candidate) is served
     with the default engine configuration, and says so. SIGTERM drains in-flight requests, then exits 0.
@@ -71,7 +73,7 @@ def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: P
                         "pip install -c constraints.txt -e '.[serve,engine]'") from None
     if sum(x is not None for x in (run_dir, follow, gguf)) != 1:
         raise UserError("give one of RUN_DIR, --follow FACTORY_DIR or --gguf FILE (see evo serve --help)")
-    chat_only = ("kv_cache_mb", "max_waiting", "step_tokens", "linear", "slots", "kv_dtype", "threads")
+    chat_only = ("kv_cache_mb", "max_waiting", "step_tokens", "linear", "slots", "kv_dtype", "threads", "max_running")
     _refuse_unused(ctx, ("elite", "max_in_flight", "warmup") if gguf else chat_only)
     from evo.unfiltered import warn_if_unfiltered
 
@@ -79,13 +81,21 @@ def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: P
     limits = Limits(max_in_flight=max_in_flight, body_timeout_s=body_timeout)
     try:
         if gguf is not None:
-            from runtime.decoder import SchedulerConfig
+            from pydantic import ValidationError
 
-            budgets = SchedulerConfig(kv_budget_bytes=int(kv_cache_mb * 2**20), max_waiting=max_waiting,
-                                      step_tokens=step_tokens)  # fmt: skip
-            code = serve_gguf(gguf, host=host, port=port, api_key_env=api_key_env, limits=limits, scheduler=budgets,
-                              drain_timeout=drain_timeout, linear=linear, slots=slots, kv_dtype=kv_dtype,
-                              threads=threads)  # fmt: skip
+            from runtime.decoder import SchedulerConfig
+            from runtime.decoder.engine import ChatEngine
+
+            try:
+                engine = ChatEngine(linear=linear, slots=slots, kv_dtype=kv_dtype, step_tokens=step_tokens,
+                                    max_running=max_running, threads=threads)  # fmt: skip
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                flag = str(err["loc"][0]).replace("_", "-")
+                raise UserError(f"--{flag} {err['input']}: {err['msg'].removeprefix('Value error, ')}") from None
+            budgets = SchedulerConfig(kv_budget_bytes=int(kv_cache_mb * 2**20), max_waiting=max_waiting)
+            code = serve_gguf(gguf, engine=engine, host=host, port=port, api_key_env=api_key_env, limits=limits,
+                              budgets=budgets, drain_timeout=drain_timeout)  # fmt: skip
         else:
             code = run_server(run_dir, follow=follow, elite=elite, host=host, port=port, api_key_env=api_key_env,
                               limits=limits, drain_timeout=drain_timeout, warmup=warmup)  # fmt: skip

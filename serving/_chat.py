@@ -206,6 +206,18 @@ async def _whole(request: Request, gen: Generation, reply: _Reply, clock: _Clock
         gen.cancel()
 
 
+def _submit(state: ChatState, ids: list[int], params: SamplingParams) -> Generation:
+    """Submits to the engine serving now: one swapped out between reading it and submitting (it refuses, as it is
+    closing) is passed over for the one that replaced it."""
+    while True:
+        scheduler = state.scheduler
+        try:
+            return scheduler.submit(ids, params)
+        except SchedulerClosed:
+            if state.scheduler is scheduler:  # the server itself is shutting down
+                raise
+
+
 async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, max_tokens: int | None,
                     *, chat: bool) -> Response:  # fmt: skip
     state: ChatState = request.app.state.serving
@@ -232,7 +244,7 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, 
         params = SamplingParams(max_tokens=max_tokens or max(1, context - len(ids)), temperature=body.temperature,
                                 top_p=body.top_p, seed=body.seed, stop=tuple(stop),
                                 ignore_eos=body.ignore_eos)  # fmt: skip
-        gen = state.scheduler.submit(ids, params)
+        gen = _submit(state, ids, params)
     except ContextFull as exc:
         raise APIError(400, f"{exc}: shorten the prompt", param=where, code="context_length_exceeded") from None
     except DoesNotFit as exc:

@@ -60,11 +60,12 @@ class Metrics(HTTPMetrics):
 
 
 class ChatMetrics(HTTPMetrics):
-    """The chat model app's collectors; the gauges read the engine's scheduler when scraped."""
+    """The chat model app's collectors; the gauges read the engines' schedulers when scraped (``schedulers()``:
+    the one serving, then any swapped out and finishing their requests)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, schedulers: Callable[[], list[Scheduler]], kv_budget_bytes: int) -> None:
         super().__init__()
-        r, s = self.registry, scheduler
+        r = self.registry
         self.ttft = Histogram("evoforge_chat_time_to_first_token_seconds", "from a request's arrival to its first "
                               "token", buckets=_SECONDS + (30.0, 60.0), registry=r)  # fmt: skip
         self.inter_token = Histogram("evoforge_chat_inter_token_seconds", "between one request's successive tokens",
@@ -73,15 +74,19 @@ class ChatMetrics(HTTPMetrics):
                                      registry=r)  # fmt: skip
         self.output_tokens = Counter("evoforge_chat_output_tokens", "tokens generated", registry=r)
         self.output_tokens.inc(0)
+
+        def total(read: Callable[[Scheduler], float]) -> Callable[[], float]:
+            return lambda: sum(read(s) for s in schedulers())
+
+        used = total(lambda s: s.kv_used_bytes)
         gauges = {
             "evoforge_chat_output_tokens_per_second": ("tokens generated per second over the last 10 s",
-                                                       s.tokens_per_second),
-            "evoforge_chat_kv_cache_bytes": ("KV cache held by the running requests", lambda: s.kv_used_bytes),
-            "evoforge_chat_kv_cache_budget_bytes": ("the KV cache budget", lambda: s.config.kv_budget_bytes),
-            "evoforge_chat_kv_cache_usage_ratio": ("KV cache held over its budget",
-                                                   lambda: s.kv_used_bytes / s.config.kv_budget_bytes),
-            "evoforge_chat_running_requests": ("requests in the running batch", lambda: s.running),
-            "evoforge_chat_waiting_requests": ("requests waiting for KV cache", lambda: s.waiting),
+                                                       total(lambda s: s.tokens_per_second())),
+            "evoforge_chat_kv_cache_bytes": ("KV cache held by the running requests", used),
+            "evoforge_chat_kv_cache_budget_bytes": ("the KV cache budget", lambda: kv_budget_bytes),
+            "evoforge_chat_kv_cache_usage_ratio": ("KV cache held over its budget", lambda: used() / kv_budget_bytes),
+            "evoforge_chat_running_requests": ("requests in the running batch", total(lambda s: s.running)),
+            "evoforge_chat_waiting_requests": ("requests waiting for KV cache", total(lambda s: s.waiting)),
         }  # fmt: skip
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(read)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from starlette.types import ASGIApp
 
     from runtime.decoder import SchedulerConfig
+    from runtime.decoder.engine import ChatEngine
 
 __all__ = ["serve", "serve_gguf"]
 
@@ -79,85 +80,42 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
     return _run(app, host, port, drain_timeout)
 
 
-def serve_gguf(path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key_env: str | None = None,
-               limits: Limits | None = None, scheduler: SchedulerConfig | None = None,
-               drain_timeout: float = 30.0, linear: str = "numpy", slots: str = "c", kv_dtype: str = "fp32",
-               threads: int | None = None) -> int:  # fmt: skip
-    """Serves the chat model of the GGUF file ``path`` on the decoder engine until a signal; returns the exit code.
+def serve_gguf(path: str | Path, *, engine: ChatEngine | None = None, host: str = "127.0.0.1", port: int = 8000,
+               api_key_env: str | None = None, limits: Limits | None = None, budgets: SchedulerConfig | None = None,
+               drain_timeout: float = 30.0) -> int:  # fmt: skip
+    """Serves the chat model of the GGUF file ``path`` on the decoder engine ``engine`` (default
+    :class:`runtime.decoder.engine.ChatEngine`'s: numpy GEMMs, C attention and RMSNorm, fp32 KV cache) until a
+    signal; returns the exit code. ``budgets``: the KV cache and waiting queue.
 
-    ``linear``: ``numpy`` runs the weight GEMMs and the LM head in numpy (BLAS); ``fp32``, ``int8``, ``bf16`` or
-    ``q8`` on the linear slot's C kernel of that precision (:func:`runtime.decoder.kernels.decoder_ops`). ``slots``:
-    ``c`` runs each decode step's attention in one call of the attention_decode task's kernel, and RMSNorm on
-    the rmsnorm task's; ``numpy`` runs them in numpy (the attention a sequence at a time). ``kv_dtype``: the KV
-    cache's type, ``fp32`` or ``f16``. ``threads`` (default:
-    every core) runs the GEMMs: BLAS's under ``numpy`` (the other kernels then have one thread), else the
-    kernels' OpenMP team (BLAS then has one).
-
-    Raises :class:`ServeError` for what the user can fix (a file the decoder cannot load, missing key, busy
-    port). The model loads before the port is taken.
+    Raises :class:`ServeError` for what the user can fix (a file the decoder cannot load, a precision this CPU
+    has no kernel for, missing key, busy port). The model loads before the port is taken.
     """
     try:
-        from runtime.decoder import ChatTemplateError, Decoder, GGUFLoadError
+        from runtime.decoder import ChatTemplateError, GGUFLoadError, load_decoder
+        from runtime.decoder.engine import ChatEngine, EngineUnfit
     except ImportError as exc:
         raise ServeError(f"serving a GGUF file needs the decoder extra ({exc.name} is missing): "
                          "pip install -c constraints.txt -e '.[serve,decoder]'") from None  # fmt: skip
-    from runtime.decoder import DecoderOps
-    from runtime.decoder.kernels import (
-        DecoderKernelError,
-        c_decode_attention,
-        c_rmsnorm,
-        decoder_ops,
-        linear_task,
-        parse_mix,
-    )
     from serving._chat_app import create_chat_app
 
     path = Path(path)
+    engine = engine or ChatEngine()
     api_key = _api_key(api_key_env)
     _check_port(host, port)
-    mix: tuple[str, dict[str, str]] | None = None
-    if linear != "numpy":
-        try:  # a precision this CPU cannot run is refused before the model loads
-            mix = parse_mix(linear)
-            for precision in {mix[0], *mix[1].values()}:
-                linear_task(precision)
-        except DecoderKernelError as exc:
-            raise ServeError(f"--linear {linear}: {exc}") from None
+    try:  # a precision this CPU cannot run is refused before the model loads
+        engine.check()
+    except EngineUnfit as exc:
+        raise ServeError(f"--{exc}") from None
     try:
-        decoder = Decoder.load(path)
+        model = load_decoder(path)
     except (GGUFLoadError, ChatTemplateError) as exc:
         raise ServeError(f"--gguf: {exc}") from None
-    # One thread pool works at a time: OpenMP's threads spin a while after each kernel, and BLAS threads woken
-    # beside them fight them for the cores (measured: a decode step 2x slower). The team runs the GEMMs; the
-    # other pool gets one thread.
-    team = threads or len(os.sched_getaffinity(0))
-    openmp = team if mix else 1
-    _engine_threads(openmp=openmp, blas=1 if mix else team)
-    import numpy as np
-
-    decoder.model.kv_dtype = np.dtype(np.float16 if kv_dtype == "f16" else np.float32)
-    ops = DecoderOps()
-    if slots == "c":
-        ops = DecoderOps(decode_attention=c_decode_attention(threads=openmp, cache=kv_dtype),
-                         rmsnorm=c_rmsnorm(threads=1))  # fmt: skip
-    if mix:
-        ops = decoder_ops(decoder.model, mix[0], matrices=mix[1], threads=team, base=ops)  # type: ignore[arg-type]
-    decoder.ops = ops
-    app = create_chat_app(decoder, model_ids=(path.stem, path.name), config=scheduler, api_key=api_key,
-                          limits=limits, engine={"linear": linear, "slots": slots, "kv_dtype": kv_dtype})  # fmt: skip
-    cfg = decoder.model.config
-    what = f"{cfg.architecture}, {cfg.layers} layers, context {cfg.context}, linear {linear}, slots {slots}, "
-    what += f"KV cache {kv_dtype}"
-    _log_start(f"{path.name} ({what})", host, port, api_key)
+    app = create_chat_app(model, engine, model_ids=(path.stem, path.name), budgets=budgets, api_key=api_key,
+                          limits=limits)  # fmt: skip
+    cfg = model.config
+    _log_start(f"{path.name} ({cfg.architecture}, {cfg.layers} layers, context {cfg.context}; {engine.describe()})",
+               host, port, api_key)  # fmt: skip
     return _run(app, host, port, drain_timeout)
-
-
-def _engine_threads(*, openmp: int, blas: int) -> None:
-    """The C kernels' OpenMP team (read when the first kernel loads) and BLAS's threads."""
-    from threadpoolctl import threadpool_limits
-
-    os.environ["OMP_NUM_THREADS"] = str(openmp)
-    threadpool_limits(limits=blas, user_api="blas")
 
 
 def _api_key(api_key_env: str | None) -> str | None:

@@ -38,6 +38,8 @@ __all__ = ["Chunk", "DoesNotFit", "Generation", "QueueFull", "Scheduler", "Sched
 
 log = logging.getLogger(__name__)
 
+_RECHECK_S = 0.02
+
 
 class QueueFull(RuntimeError):
     """The KV cache budget is taken and the waiting queue is at its bound: retry later."""
@@ -138,11 +140,16 @@ class _Seq:
 
 class Scheduler:
     """The engine thread of one :class:`Decoder`: :meth:`submit` a prompt's ids, read its :class:`Generation`.
-    ``on_step(generations, tokens, seconds)`` is called after each step (e.g. to observe batch sizes)."""
+    ``on_step(generations, tokens, seconds)`` is called after each step (e.g. to observe batch sizes).
+    ``held_elsewhere()`` is KV cache held outside this scheduler within the same budget (another engine's
+    during a swap, while it finishes its requests); a generation that waits for it is looked at again every
+    ``_RECHECK_S``."""
 
     def __init__(self, decoder: Decoder, config: SchedulerConfig | None = None, *,
-                 on_step: Callable[[int, int, float], None] | None = None) -> None:  # fmt: skip
+                 on_step: Callable[[int, int, float], None] | None = None,
+                 held_elsewhere: Callable[[], int] | None = None) -> None:  # fmt: skip
         self.decoder, self.config, self.on_step = decoder, config or SchedulerConfig(), on_step
+        self.held_elsewhere = held_elsewhere
         self.bytes_per_token = kv_bytes_per_token(decoder.model.config, decoder.model.kv_dtype.itemsize)
         self._cond = threading.Condition()
         self._waiting: deque[_Seq] = deque()
@@ -223,7 +230,8 @@ class Scheduler:
 
     # under the lock
     def _fits(self, seq: _Seq) -> bool:
-        return len(self._running) < self.config.max_running and self._used + seq.kv_bytes <= self.config.kv_budget_bytes
+        used = self._used + (self.held_elsewhere() if self.held_elsewhere is not None else 0)
+        return len(self._running) < self.config.max_running and used + seq.kv_bytes <= self.config.kv_budget_bytes
 
     def _start(self, seq: _Seq) -> None:
         seq.cache = self.decoder.model.new_cache(seq.positions)
@@ -279,7 +287,8 @@ class Scheduler:
                         break
                     if self._closed and not self._waiting:
                         return
-                    self._cond.wait()
+                    # cache freed elsewhere wakes nobody here: look again soon while something waits for it
+                    self._cond.wait(_RECHECK_S if self._waiting and self.held_elsewhere is not None else None)
                 batch = self._plan()
             try:
                 self._step(batch)

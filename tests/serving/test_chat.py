@@ -201,7 +201,8 @@ def test_malformed_bodies_unknown_models_and_keys(server: Server) -> None:
     for path in ("/health", "/ready", "/metrics"):
         assert server.call("GET", path, key=False)[0] == 200
     engine = server.call("GET", "/ready", key=False)[1]["engine"]
-    assert engine == {"linear": "numpy", "slots": "c", "kv_dtype": "fp32"}  # the defaults
+    assert engine == {"linear": "numpy", "slots": "c", "kv_dtype": "fp32", "step_tokens": 64, "max_running": 64,
+                      "threads": None}  # the defaults
     status, got, _ = server.call("POST", CHAT, {"messages": USER, "max_tokens": 2, "model": "tiny-chat.gguf"})
     assert status == 200 and got["model"] == "tiny-chat.gguf"  # an alias
 
@@ -288,20 +289,13 @@ def test_linear_int8_serves_the_int8_engine_and_ignore_eos_fills_max_tokens(tiny
     """--linear int8 --kv-dtype f16 serves what the int8 kernels decode in process over an f16 cache (the same
     kernels, one thread; the decode steps' attention and RMSNorm in C), and /ready names them; ignore_eos makes an
     answer run to max_tokens."""
-    import dataclasses
-
-    import numpy as np
-
-    from runtime.decoder import Decoder, DecoderOps
-    from runtime.decoder.kernels import c_decode_attention, c_rmsnorm, decoder_ops
-
-    model = dataclasses.replace(decoder.model, kv_dtype=np.dtype(np.float16))
-    base = DecoderOps(decode_attention=c_decode_attention(cache="f16"), rmsnorm=c_rmsnorm())
-    int8 = Decoder(model, ops=decoder_ops(model, "int8", threads=1, base=base))
     srv = start_server(None, "--gguf", str(tiny_gguf), "--linear", "int8", "--threads", "1", "--slots", "c",
-                       "--kv-dtype", "f16")  # fmt: skip
+                       "--kv-dtype", "f16", "--max-running", "8")  # fmt: skip
     try:
-        assert srv.call("GET", "/ready")[1]["engine"] == {"linear": "int8", "slots": "c", "kv_dtype": "f16"}
+        engine = srv.call("GET", "/ready")[1]["engine"]
+        assert engine == {"linear": "int8", "slots": "c", "kv_dtype": "f16", "step_tokens": 64, "max_running": 8,
+                          "threads": 1}  # fmt: skip
+        int8 = _in_process(decoder.model, engine)
         client = _client(srv)
         for messages in CHATS:
             got = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=24, temperature=0)
@@ -314,6 +308,93 @@ def test_linear_int8_serves_the_int8_engine_and_ignore_eos_fills_max_tokens(tiny
         assert status == 400 and body["error"]["param"] == "ignore_eos"
     finally:
         stop(srv)
+
+
+def _in_process(model, engine: dict):
+    from runtime.decoder.engine import ChatEngine, build
+
+    return build(model, ChatEngine(**engine))
+
+
+def test_an_engine_swap_under_streaming_load_fails_no_stream(tmp_path: Path) -> None:
+    """POST /admin/engine while long streams run and closed-loop clients keep streaming: every stream ends with
+    [DONE] and its whole text; the long ones, still running when the swap returned, finished on the old engine
+    (numpy's greedy text); requests after it get the new engine's (int8 kernels, f16 cache). The swap is
+    refused without the key, or for a precision that does not exist, and the old engine keeps serving."""
+    from runtime.decoder import Decoder, SamplingParams
+
+    lines = [s for s in (DATA / "sentences.txt").read_text(encoding="utf-8").splitlines() if s.strip()]
+    # wide enough that a long stream outlasts the swap (a step takes milliseconds)
+    shape = Shape(hidden=128, intermediate=512, layers=4, heads=4, kv_heads=2, context=1024)
+    path = write_random_gguf(tmp_path / "swap-chat.gguf", train_vocabulary(lines), shape=shape)
+    decoder = Decoder.load(path)
+    new = {"linear": "int8", "slots": "c", "kv_dtype": "f16", "threads": 1}
+    int8 = _in_process(decoder.model, new)  # its kernels compile here, to the cache the server's swap reads
+    srv = start_server(None, "--gguf", str(path), "--threads", "1", key=KEY)
+    client = _client(srv)
+    longs = [f"a long story number {i}" for i in range(4)]
+    shorts = [[{"role": "user", "content": f"tell me about the fox {i}"}] for i in range(3)]
+    long_tokens = 400
+    stop_load, errors = threading.Event(), []
+    done_long: dict[int, tuple[str, float]] = {}
+    done_short: list[tuple[int, float, str]] = []
+
+    def long_stream(i: int, first: threading.Event) -> None:
+        try:
+            parts = []
+            for c in client.completions.create(model="swap-chat", prompt=longs[i], max_tokens=long_tokens,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                parts.append(c.choices[0].text)
+                first.set()
+            done_long[i] = "".join(parts), time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - every failure is a finding
+            errors.append(f"long {i}: {exc!r}")
+            first.set()
+
+    def closed_loop(i: int) -> None:
+        while not stop_load.is_set():
+            try:
+                t0 = time.perf_counter()
+                chunks = list(client.chat.completions.create(model="swap-chat", messages=shorts[i], max_tokens=16,
+                                                             temperature=0, stream=True))  # fmt: skip
+                assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+                done_short.append((i, t0, "".join(c.choices[0].delta.content or "" for c in chunks)))
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"short {i}: {exc!r}")
+
+    try:
+        assert srv.call("POST", "/admin/engine", new, key=False)[0] == 401
+        for bad, field in (({"linear": "int4"}, "linear"), ({"threads": 4096}, "threads"), ({"slots": "gpu"}, "slots")):
+            status, body, _ = srv.call("POST", "/admin/engine", bad)
+            assert status == 400 and body["error"]["param"] == field, body
+        firsts = [threading.Event() for _ in longs]
+        threads = [threading.Thread(target=long_stream, args=(i, firsts[i])) for i in range(len(longs))]
+        threads += [threading.Thread(target=closed_loop, args=(i,)) for i in range(len(shorts))]
+        for t in threads:
+            t.start()
+        for f in firsts:
+            assert f.wait(60)
+        status, body, _ = srv.call("POST", "/admin/engine", new)
+        swapped = time.perf_counter()
+        assert status == 200 and body["engine"]["linear"] == "int8", body
+        assert srv.call("GET", "/ready")[1]["engine"]["kv_dtype"] == "f16"
+        unfinished = len(longs) - len(done_long)
+        time.sleep(0.5)
+        stop_load.set()
+        for t in threads:
+            t.join(120)
+    finally:
+        stop_load.set()
+        stop(srv)
+    assert not errors, errors
+    assert unfinished > 0, "every long stream ended before the swap did: the test proved nothing"
+    greedy = SamplingParams(max_tokens=long_tokens, temperature=0.0, ignore_eos=True)
+    on_old = [c.text for c in decoder.generate_batch(longs, greedy)]
+    assert [done_long[i][0] for i in range(len(longs))] == on_old
+    assert [c.text for c in int8.generate_batch(longs, greedy)] != on_old  # the engines are told apart by text
+    want_new = [int8.generate(m, max_tokens=16).text for m in shorts]
+    after = [(i, text) for i, t0, text in done_short if t0 > swapped]
+    assert after and all(text == want_new[i] for i, text in after), after
 
 
 def test_engine_options_are_refused_where_they_do_not_apply(tiny_gguf: Path, tmp_path: Path) -> None:
@@ -330,7 +411,9 @@ def test_engine_options_are_refused_where_they_do_not_apply(tiny_gguf: Path, tmp
                        (("--gguf", str(tiny_gguf), "--linear", "int8:head=fp32"), "'head=fp32' in 'int8:head=fp32'"),
                        ((str(tmp_path), "--slots", "numpy"), "--slots applies to --gguf only"),
                        ((str(tmp_path), "--kv-dtype", "f16"), "--kv-dtype applies to --gguf only"),
-                       (("--gguf", str(tiny_gguf), "--threads", "0"), "0 is not in the range")):  # fmt: skip
+                       (("--gguf", str(tiny_gguf), "--threads", "0"), "0 is not in the range"),
+                       (("--gguf", str(tiny_gguf), "--threads", "4096"), "--threads 4096: Input should be less than or equal to 1024"),
+                       (("--gguf", str(tiny_gguf), "--threads", "512"), "--threads 512: this process has")):  # fmt: skip
         done = evo(*args)
         assert done.returncode == 2 and says in done.stderr, (args, done.stderr)
         assert "Traceback" not in done.stderr

@@ -1,0 +1,122 @@
+"""A chat engine: what runs a decoder model's operators and how its scheduler batches, as one value.
+
+:class:`ChatEngine` is what ``evo serve --gguf`` takes from its flags and ``POST /admin/engine`` swaps to, and
+the genes an engine search varies. :func:`build` makes a :class:`Decoder` of it over a loaded model: the
+weights are shared between engines of one model (only the kernels' packed copies are the engine's own), so
+two engines can serve side by side during a swap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from runtime.decoder.generate import Decoder
+from runtime.decoder.kernels import (
+    DecoderKernelError,
+    c_decode_attention,
+    c_rmsnorm,
+    decoder_ops,
+    linear_task,
+    parse_mix,
+)
+from runtime.decoder.model import DecoderModel
+from runtime.decoder.ops import DecoderOps
+from runtime.decoder.scheduler import SchedulerConfig
+
+__all__ = ["ChatEngine", "EngineUnfit", "build", "engine_threads"]
+
+
+class EngineUnfit(ValueError):
+    """An engine this machine cannot run; ``field`` names the setting at fault, and the message starts with it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class ChatEngine(BaseModel):
+    """The engine's settings (every field has the default ``evo serve --gguf`` uses)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    linear: str = Field("numpy", description="what runs the weight GEMMs and the LM head: numpy (fp32, BLAS), or the "
+                        "linear slot's C kernel in PRECISION[:MATRIX=PRECISION,...] (fp32, int8, bf16, q8; "
+                        "e.g. int8:lm_head=fp32)")  # fmt: skip
+    slots: Literal["c", "numpy"] = Field("c", description="c: a decode step's attention and RMSNorm on their "
+                                         "tasks' C kernels; numpy: in numpy")  # fmt: skip
+    kv_dtype: Literal["fp32", "f16"] = Field("fp32", description="the KV cache's type")
+    step_tokens: int = Field(64, ge=1, le=65536, description="tokens one engine step runs (a token of each "
+                             "decoding request, then prompt chunks)")  # fmt: skip
+    max_running: int = Field(64, ge=1, le=4096, description="requests in the running batch at most")
+    threads: int | None = Field(None, ge=1, le=1024, description="threads of the GEMMs, at most this machine's cores "
+                                "(default: every core)")
+
+    @field_validator("linear")
+    @classmethod
+    def _linear(cls, v: str) -> str:
+        if v != "numpy":
+            parse_mix(v)  # DecoderKernelError is a ValueError: a validation error naming the field
+        return v
+
+    def check(self) -> None:
+        """Raises :class:`EngineUnfit` when a precision named has no kernel this CPU runs, or more threads are asked
+        for than this process has cores (a thread pool past them only fights itself)."""
+        cores = len(os.sched_getaffinity(0))
+        if self.threads is not None and self.threads > cores:
+            raise EngineUnfit("threads", f"threads {self.threads}: this process has {cores} cores (give at most that)")
+        mix = self.mix()
+        if mix is not None:
+            try:
+                for precision in {mix[0], *mix[1].values()}:
+                    linear_task(precision)
+            except DecoderKernelError as exc:
+                raise EngineUnfit("linear", f"linear {self.linear}: {exc}") from None
+
+    def mix(self) -> tuple[str, dict[str, str]] | None:
+        """The GEMMs' precision and per-matrix exceptions; ``None`` under numpy."""
+        return None if self.linear == "numpy" else parse_mix(self.linear)
+
+    def team(self) -> int:
+        """Threads of the GEMMs."""
+        return self.threads or len(os.sched_getaffinity(0))
+
+    def scheduler(self, budgets: SchedulerConfig) -> SchedulerConfig:
+        """``budgets`` (the server's KV cache and queue) with this engine's batching."""
+        return dataclasses.replace(budgets, step_tokens=self.step_tokens, max_running=self.max_running)
+
+    def describe(self) -> str:
+        return (f"linear {self.linear}, slots {self.slots}, KV cache {self.kv_dtype}, {self.step_tokens}-token "
+                f"steps, up to {self.max_running} running, {self.team()} threads")  # fmt: skip
+
+
+def build(model: DecoderModel, engine: ChatEngine) -> Decoder:
+    """A decoder running ``model`` (its weights shared, not copied) as ``engine`` says; compiles the kernels it
+    needs (cached). Raises :class:`EngineUnfit` (see :meth:`ChatEngine.check`)."""
+    engine.check()
+    model = dataclasses.replace(model, kv_dtype=np.dtype(np.float16 if engine.kv_dtype == "f16" else np.float32))
+    mix, team = engine.mix(), engine.team()
+    openmp = team if mix else 1
+    ops = DecoderOps()
+    if engine.slots == "c":
+        ops = DecoderOps(decode_attention=c_decode_attention(threads=openmp, cache=engine.kv_dtype),
+                         rmsnorm=c_rmsnorm(threads=1))  # fmt: skip
+    if mix:
+        ops = decoder_ops(model, mix[0], matrices=mix[1], threads=team, base=ops)
+    return Decoder(model, ops=ops)
+
+
+def engine_threads(engine: ChatEngine) -> None:
+    """Gives the thread pools to the engine's GEMMs: OpenMP's team (read when the first kernel loads) under C
+    kernels, BLAS's under numpy; the other pool gets one thread. Two pools at work together fight for the cores
+    (OpenMP's threads spin a while after each kernel; measured: a decode step 2x slower)."""
+    from threadpoolctl import threadpool_limits
+
+    team, c = engine.team(), engine.mix() is not None
+    os.environ["OMP_NUM_THREADS"] = str(team if c else 1)
+    threadpool_limits(limits=1 if c else team, user_api="blas")
+
