@@ -28,24 +28,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
-import json
 import os
 import random
 import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from _models import gguf_model  # noqa: E402 - beside this script
+
+from runtime.decoder.chat_load import LoadFailed, chat, draw_prompts, run_load  # noqa: E402
 
 LLAMA = "llama-server"
 
@@ -58,13 +55,7 @@ def prompts(model: Path, count: int, lo: int, hi: int, seed: int) -> list[str]:
 
     tokenizer = Tokenizer.from_gguf(GGUFFile(model))
     corpus = tokenizer.encode("\n".join((ROOT / n).read_text(encoding="utf-8") for n in ("README.md", "BENCHMARKS.md")))
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        n = rng.randint(lo, hi) - 30  # the chat template's own tokens, about
-        start = rng.randrange(0, len(corpus) - n)
-        out.append("Summarise this:\n" + tokenizer.decode(corpus[start : start + n]))
-    return out
+    return draw_prompts(tokenizer, corpus, count, lo, hi, random.Random(seed))
 
 
 def _free_port() -> int:
@@ -128,74 +119,13 @@ class Server:
             self.proc.wait()
 
 
-@dataclass
-class Answer:
-    """One streamed request as the client saw it."""
-
-    sent: float
-    stamps: list[float] = field(default_factory=list)  # arrival of each chunk that carried text
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-
-
-def chat(port: int, text: str, max_tokens: int) -> Answer:
-    """One streamed chat request; its chunks' arrival times and the usage the server reported."""
-    request = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    body = json.dumps(request).encode()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    answer = Answer(time.perf_counter())
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}")
-    while line := resp.readline():
-        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-            continue
-        now = time.perf_counter()
-        event = json.loads(line[6:])
-        if any(c.get("delta", {}).get("content") for c in event.get("choices") or ()):
-            answer.stamps.append(now)
-        if usage := event.get("usage"):
-            answer.completion_tokens, answer.prompt_tokens = usage["completion_tokens"], usage["prompt_tokens"]
-    conn.close()
-    return answer
-
-
 def load(server: Server, texts: list[str], streams: int, max_tokens: int) -> dict[str, float]:
     """``streams`` closed-loop clients over ``texts`` (client ``i`` takes every ``streams``-th); the figures."""
-    answers: list[Answer] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def client(mine: list[str]) -> None:
-        for text in mine:
-            try:
-                a = chat(server.port, text, max_tokens)
-            except BaseException as exc:  # noqa: BLE001 - reported after the load
-                errors.append(exc)
-                return
-            with lock:
-                answers.append(a)
-
-    threads = [threading.Thread(target=client, args=(texts[i::streams],)) for i in range(streams)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        server.sample_rss()
-        time.sleep(0.2)
-    wall = time.perf_counter() - t0
-    if errors:
-        sys.exit(f"error: {server.name}: {errors[0]}")
-    ttft = [a.stamps[0] - a.sent for a in answers if a.stamps]
-    itl = np.concatenate([np.diff(a.stamps) for a in answers if len(a.stamps) > 1])
-    tokens = sum(a.completion_tokens for a in answers)
-    return {"tokens_per_s": tokens / wall, "tokens": tokens, "requests": len(answers),
-            "prompt_tokens": float(np.mean([a.prompt_tokens for a in answers])),
-            "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
-            "itl_p50": float(np.percentile(itl, 50)), "itl_p99": float(np.percentile(itl, 99)),
-            "rss_mb": server.peak_rss / 2**20}  # fmt: skip
+    try:
+        measured = run_load(server.port, texts, streams, max_tokens, tick=server.sample_rss)
+    except LoadFailed as exc:
+        sys.exit(f"error: {server.name}: {exc}")
+    return {**measured.figures(), "rss_mb": server.peak_rss / 2**20}
 
 
 NOTES: dict[str, str] = {}

@@ -250,6 +250,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "matmul_cuda": "runtime.tasks.matmul_cuda:MatmulCuda",
     "softmax_cuda": "runtime.tasks.softmax_cuda:SoftmaxCuda",
     "engine": "runtime.engine.task:EngineTask",
+    "chat_engine": "runtime.decoder.engine_task:ChatEngineTask",
 }
 
 

@@ -25,7 +25,7 @@ from serving._errors import APIError, errors
 from serving._http import hung_up
 
 if TYPE_CHECKING:
-    from runtime.decoder import Chunk, Generation, Prompt
+    from runtime.decoder import Chunk, Generation, Prompt, Tokenizer
     from serving._chat_app import ChatState
     from serving._metrics import ChatMetrics
 
@@ -88,6 +88,10 @@ class _GenerationRequest(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1, description="rendered by the model's chat template")
     max_completion_tokens: int | None = Field(None, ge=1, description="max_tokens' newer name")
+    logprobs: bool = Field(False, description="each answer token's log-probability (under the model's distribution), "
+                           "its bytes and, as llama.cpp's server gives it, its id")  # fmt: skip
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the likeliest tokens at each "
+                                     "position too")  # fmt: skip
 
 
 class CompletionRequest(_GenerationRequest):
@@ -101,12 +105,28 @@ def _sse(body: dict[str, Any]) -> str:
 
 @dataclass
 class _Reply:
-    """One request's answer in OpenAI's shapes: whole, or chunk by chunk."""
+    """One request's answer in OpenAI's shapes: whole, or chunk by chunk (``tokenizer``: where log-probabilities
+    were asked for, what spells their tokens)."""
 
     chat: bool
     model: str
     prompt_tokens: int
     include_usage: bool = False
+    tokenizer: Tokenizer | None = None
+
+    def logprob(self, chunk: Chunk) -> dict[str, Any]:
+        """``chunk``'s token in OpenAI's ``logprobs.content`` shape."""
+        assert chunk.logprob is not None and self.tokenizer is not None
+        logprob, best = chunk.logprob
+        return {**self._token(chunk.token), "logprob": logprob,
+                "top_logprobs": [{**self._token(i), "logprob": lp} for i, lp in best]}  # fmt: skip
+
+    def _token(self, token_id: int) -> dict[str, Any]:
+        raw = self.tokenizer.token_bytes(token_id)  # type: ignore[union-attr]
+        return {"id": token_id, "token": raw.decode("utf-8", errors="replace"), "bytes": list(raw)}
+
+    def _logprobs(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        return {"content": entries or []} if self.tokenizer is not None else None
 
     def __post_init__(self) -> None:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -119,19 +139,22 @@ class _Reply:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}  # fmt: skip
 
-    def whole(self, text: str, finish: str, completion_tokens: int) -> dict[str, Any]:
+    def whole(self, text: str, finish: str, completion_tokens: int,
+              logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}  # fmt: skip
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(logprobs), "finish_reason": finish}  # fmt: skip
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         kind = "chat.completion" if self.chat else "text_completion"
         return {**self._head(kind), "choices": [choice], "usage": self.usage(completion_tokens)}
 
-    def chunk(self, text: str = "", finish: str | None = None, *, role: bool = False) -> str:
+    def chunk(self, text: str = "", finish: str | None = None, *, role: bool = False,
+              logprobs: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": None if role else self._logprobs(logprobs),
+                      "finish_reason": finish}  # fmt: skip
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
@@ -161,14 +184,18 @@ async def _events(gen: Generation, reply: _Reply, clock: _Clock) -> AsyncIterato
     try:
         if reply.chat:
             yield reply.chunk(role=True)
+        pending: list[dict[str, Any]] = []  # log-probabilities of tokens whose text is not settled yet
         try:
             async for chunk in gen:
                 clock.tick(chunk)
                 tokens = chunk.tokens
+                if chunk.logprob is not None:
+                    pending.append(reply.logprob(chunk))
                 if chunk.text:
-                    yield reply.chunk(chunk.text)
+                    yield reply.chunk(chunk.text, logprobs=pending)
+                    pending = []
                 if chunk.finish_reason is not None:
-                    yield reply.chunk(finish=chunk.finish_reason)
+                    yield reply.chunk(finish=chunk.finish_reason, logprobs=pending)
         except RuntimeError as exc:  # the engine failed this generation: the status is sent already
             yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
             return
@@ -179,28 +206,30 @@ async def _events(gen: Generation, reply: _Reply, clock: _Clock) -> AsyncIterato
         gen.cancel()  # a client gone mid-stream: its cache is freed (nothing to do once it has finished)
 
 
-async def _collect(gen: Generation, clock: _Clock) -> tuple[str, str, int]:
-    parts, finish, tokens = [], "length", 0
+async def _collect(gen: Generation, reply: _Reply, clock: _Clock) -> tuple[str, str, int, list[dict[str, Any]]]:
+    parts, finish, tokens, logprobs = [], "length", 0, []
     async for chunk in gen:
         clock.tick(chunk)
         parts.append(chunk.text)
         finish, tokens = chunk.finish_reason or finish, chunk.tokens
-    return "".join(parts), finish, tokens
+        if chunk.logprob is not None:
+            logprobs.append(reply.logprob(chunk))
+    return "".join(parts), finish, tokens, logprobs
 
 
 async def _whole(request: Request, gen: Generation, reply: _Reply, clock: _Clock) -> Response:
     gone = asyncio.create_task(hung_up(request))
-    work = asyncio.create_task(_collect(gen, clock))
+    work = asyncio.create_task(_collect(gen, reply, clock))
     try:
         await asyncio.wait({gone, work}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # nobody waits for the answer: stop generating it
             work.cancel()
             return Response(status_code=499)
         try:
-            text, finish, tokens = work.result()
+            text, finish, tokens, logprobs = work.result()
         except RuntimeError as exc:
             raise APIError(500, str(exc), type="server_error") from None
-        return JSONResponse(reply.whole(text, finish, tokens))
+        return JSONResponse(reply.whole(text, finish, tokens, logprobs))
     finally:
         gone.cancel()
         gen.cancel()
@@ -219,7 +248,7 @@ def _submit(state: ChatState, ids: list[int], params: SamplingParams) -> Generat
 
 
 async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, max_tokens: int | None,
-                    *, chat: bool) -> Response:  # fmt: skip
+                    *, chat: bool, logprobs: int | None = None) -> Response:  # fmt: skip
     state: ChatState = request.app.state.serving
     arrived = time.perf_counter()
     where = "messages" if chat else "prompt"
@@ -243,7 +272,7 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, 
     try:
         params = SamplingParams(max_tokens=max_tokens or max(1, context - len(ids)), temperature=body.temperature,
                                 top_p=body.top_p, seed=body.seed, stop=tuple(stop),
-                                ignore_eos=body.ignore_eos)  # fmt: skip
+                                ignore_eos=body.ignore_eos, logprobs=logprobs)  # fmt: skip
         gen = _submit(state, ids, params)
     except ContextFull as exc:
         raise APIError(400, f"{exc}: shorten the prompt", param=where, code="context_length_exceeded") from None
@@ -258,7 +287,8 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, 
         raise APIError(400, str(exc), param=where) from None
     state.metrics.prompt_tokens.inc(len(ids))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    reply = _Reply(chat, body.model or state.model_ids[0], len(ids), include_usage)
+    reply = _Reply(chat, body.model or state.model_ids[0], len(ids), include_usage,
+                   decoder.tokenizer if logprobs is not None else None)  # fmt: skip
     clock = _Clock(state.metrics, arrived)
     if body.stream:
         return StreamingResponse(_events(gen, reply, clock), media_type="text/event-stream",
@@ -270,8 +300,11 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, 
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     """The assistant's reply to ``messages``: whole, or with ``stream: true`` as server-sent events (chunks, then
     ``data: [DONE]``)."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    return await _generate(request, body, messages, body.max_completion_tokens or body.max_tokens, chat=True)
+    return await _generate(request, body, messages, body.max_completion_tokens or body.max_tokens, chat=True,
+                           logprobs=(body.top_logprobs or 0) if body.logprobs else None)  # fmt: skip
 
 
 @router.post("/v1/completions", responses={200: {"content": _STREAMED}, **errors(*_STATUSES)})

@@ -50,6 +50,7 @@ class ChatState:
     api_key: str | None
     model_ids: tuple[str, ...]  # the served model's id, then its aliases
     draining: list[Scheduler] = field(default_factory=list)  # engines swapped out, finishing their requests
+    cache_dir: str | None = None  # where the engines' kernels compile (None: the default cache)
     started: float = field(default_factory=time.time)
 
     def schedulers(self) -> list[Scheduler]:
@@ -67,7 +68,7 @@ class ChatState:
         finishes what it holds (in a thread) and stops. Returns the seconds it took. Raises
         :class:`EngineUnfit` (nothing changes then)."""
         t0 = time.perf_counter()
-        decoder = build(self.model, engine)
+        decoder = build(self.model, engine, cache_dir=self.cache_dir)
         decoder.generate("Hello", max_tokens=2, temperature=0.0)  # every kernel has run once before it serves
         scheduler = self.start(engine, decoder)
         old = self.scheduler
@@ -91,17 +92,17 @@ class ChatState:
 
 def create_chat_app(model: DecoderModel, engine: ChatEngine | None = None, *, model_ids: tuple[str, ...],
                     budgets: SchedulerConfig | None = None, api_key: str | None = None,
-                    limits: Limits | None = None) -> ASGIApp:  # fmt: skip
+                    limits: Limits | None = None, cache_dir: str | None = None) -> ASGIApp:  # fmt: skip
     """The app serving ``model`` (loaded already) as ``model_ids[0]`` on ``engine`` (built here; raises
     :class:`EngineUnfit` where this machine cannot run it); its engine thread starts here, and finishes every
     request it holds when the app shuts down. ``budgets``: the KV cache and the waiting queue, kept across
-    swaps (``POST /admin/engine``)."""
+    swaps (``POST /admin/engine``). ``cache_dir``: where the kernels compile (default ``~/.cache/evoforge/kernels``)."""
     engine = engine or ChatEngine()
     limits = limits or Limits()
-    decoder = build(model, engine)
+    decoder = build(model, engine, cache_dir=cache_dir)
     engine_threads(engine)
     state = ChatState(model, engine, None, budgets or SchedulerConfig(), None, limits,  # type: ignore[arg-type]
-                      api_key or None, model_ids)  # fmt: skip
+                      api_key or None, model_ids, cache_dir=cache_dir)  # fmt: skip
     state.metrics = ChatMetrics(state.schedulers, state.budgets.kv_budget_bytes)
     state.scheduler = state.start(engine, decoder)
     swap_lock = asyncio.Lock()

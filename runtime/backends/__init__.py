@@ -5,6 +5,7 @@
 | ``c`` | :mod:`runtime.backends.c` | C kernels: cc, ctypes, guarded numpy buffers, timed vs the numpy reference |
 | ``cuda`` | :mod:`runtime.backends.cuda` | CUDA kernels: nvcc, pycuda, guarded device buffers, timed vs cuBLAS |
 | ``engine`` | :mod:`runtime.backends.engine` | engine configurations, measured under closed-loop load |
+| ``chat_engine`` | :mod:`runtime.backends.chat_engine` | chat engines, served and measured under streaming load |
 
 A task names its backend (``Task.backend``); :func:`backend_for` is the one place that name is read.
 Modules are imported on first use, so a C run never imports pycuda or the engine. To add a backend,
@@ -64,6 +65,7 @@ BACKENDS: dict[str, str] = {
     "c": "runtime.backends.c:CBackend",
     "cuda": "runtime.backends.cuda:CudaBackend",
     "engine": "runtime.backends.engine:EngineBackend",
+    "chat_engine": "runtime.backends.chat_engine:ChatEngineBackend",
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -27,6 +28,7 @@ from runtime.decoder.kernels import (
 from runtime.decoder.model import DecoderModel
 from runtime.decoder.ops import DecoderOps
 from runtime.decoder.scheduler import SchedulerConfig
+from runtime.settings import CompilerSettings
 
 __all__ = ["ChatEngine", "EngineUnfit", "build", "engine_threads"]
 
@@ -94,19 +96,22 @@ class ChatEngine(BaseModel):
                 f"steps, up to {self.max_running} running, {self.team()} threads")  # fmt: skip
 
 
-def build(model: DecoderModel, engine: ChatEngine) -> Decoder:
+def build(model: DecoderModel, engine: ChatEngine, *, cache_dir: str | Path | None = None,
+          compiler: CompilerSettings | None = None) -> Decoder:  # fmt: skip
     """A decoder running ``model`` (its weights shared, not copied) as ``engine`` says; compiles the kernels it
-    needs (cached). Raises :class:`EngineUnfit` (see :meth:`ChatEngine.check`)."""
+    needs (``compiler``; cached in ``cache_dir``, default ``~/.cache/evoforge/kernels``). Raises
+    :class:`EngineUnfit` (see :meth:`ChatEngine.check`)."""
     engine.check()
     model = dataclasses.replace(model, kv_dtype=np.dtype(np.float16 if engine.kv_dtype == "f16" else np.float32))
     mix, team = engine.mix(), engine.team()
     openmp = team if mix else 1
+    where = {"cache_dir": cache_dir, "compiler": compiler}
     ops = DecoderOps()
     if engine.slots == "c":
-        ops = DecoderOps(decode_attention=c_decode_attention(threads=openmp, cache=engine.kv_dtype),
-                         rmsnorm=c_rmsnorm(threads=1))  # fmt: skip
+        ops = DecoderOps(decode_attention=c_decode_attention(threads=openmp, cache=engine.kv_dtype, **where),
+                         rmsnorm=c_rmsnorm(threads=1, **where))  # fmt: skip
     if mix:
-        ops = decoder_ops(model, mix[0], matrices=mix[1], threads=team, base=ops)
+        ops = decoder_ops(model, mix[0], matrices=mix[1], threads=team, base=ops, **where)
     return Decoder(model, ops=ops)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["SamplingParams", "sample", "token_logprobs"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +29,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest tokens'
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # one stop string given bare
@@ -42,6 +43,8 @@ class SamplingParams:
             raise ValueError(f"top_k is {self.top_k}: use 0 (every token) or a positive count")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p is {self.top_p}: use a probability in (0, 1]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs is {self.logprobs}: use 0 (the chosen token's) to 20 likeliest")
         if any(not s for s in self.stop):
             raise ValueError("an empty stop string: every stop string needs at least one character")
 
@@ -74,3 +77,17 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
         keep = min(int(np.searchsorted(np.cumsum(p), params.top_p)) + 1, len(ids))  # the smallest head reaching it
         ids, p = ids[:keep], p[:keep] / p[:keep].sum()
     return int(ids[min(int(np.searchsorted(np.cumsum(p), rng.random(), side="right")), len(ids) - 1)])
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int = 0) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """``token``'s log-probability under ``logits`` ``[vocab]`` (the model's distribution: temperature 1, nothing
+    masked), and the ``top`` likeliest tokens' (id, log-probability), likeliest first."""
+    z = logits.astype(np.float64)
+    peak = z.max()
+    lse = peak + np.log(np.exp(z - peak).sum())
+    best: tuple[tuple[int, float], ...] = ()
+    if top:
+        ids = np.argpartition(z, -top)[-top:]
+        ids = ids[np.argsort(-z[ids], kind="stable")]
+        best = tuple((int(i), float(z[i] - lse)) for i in ids)
+    return float(z[token] - lse), best

@@ -30,7 +30,7 @@ from runtime.decoder.channel import Channel
 from runtime.decoder.generate import Completion, Decoder, check_prompt
 from runtime.decoder.gguf_file import DecoderConfig
 from runtime.decoder.model import KVCache
-from runtime.decoder.sampling import SamplingParams, sample
+from runtime.decoder.sampling import SamplingParams, sample, token_logprobs
 from runtime.decoder.stream import FinishReason, TextStream
 
 __all__ = ["Chunk", "DoesNotFit", "Generation", "QueueFull", "Scheduler", "SchedulerClosed", "SchedulerConfig",
@@ -85,6 +85,7 @@ class Chunk:
     tokens: int  # tokens sampled so far, this one and an end token included
     finish_reason: FinishReason | None  # set on the last chunk
     t: float  # time.perf_counter() when it was sampled
+    logprob: tuple[float, tuple[tuple[int, float], ...]] | None = None  # where asked: see sampling.token_logprobs
 
 
 class Generation:
@@ -312,10 +313,13 @@ class Scheduler:
                 seq.done += len(chunk)
                 if seq.done < len(seq.prompt):  # more of the prompt to read: no token yet
                     continue
+            k = seq.params.logprobs
+            raw = row.copy() if k is not None else None  # sampling may mask the end tokens in place
             token = sample(row, seq.params, seq.rng, self.decoder.tokenizer.end_ids)
             text = seq.stream.push(token)
             sampled += 1
-            seq.gen._channel.put(Chunk(token, text, seq.stream.sampled, seq.stream.finish, now))
+            logprob = token_logprobs(raw, token, k) if raw is not None and k is not None else None
+            seq.gen._channel.put(Chunk(token, text, seq.stream.sampled, seq.stream.finish, now, logprob))
             if seq.stream.finish is not None:
                 finished.append(seq)
         with self._cond:

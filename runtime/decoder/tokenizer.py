@@ -13,6 +13,7 @@ file without one gets Gemma's turn format (:data:`GEMMA_CHAT_TEMPLATE`).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -176,6 +177,17 @@ class Tokenizer:
     def token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for in the text (a byte-level token's, or a byte token's, may be part of a
+        UTF-8 character); b"" for an id the vocabulary does not have."""
+        if self._pieces is not None:
+            return self._pieces.pieces[token_id] if 0 <= token_id < len(self._pieces.pieces) else b""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = _byte_level_table()
+        return bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode()
+
     def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The prompt text of ``messages`` (``{"role": ..., "content": ...}``) by the model's chat template."""
         if self.chat_template is None:
@@ -241,6 +253,19 @@ class _Pieces:
         data = b"".join(self.pieces[i] for i in ids if 0 <= i < size and not (skip_special and i in self.special))
         text = data.decode("utf-8", errors="replace")
         return text[1:] if self.strip_space and text.startswith(" ") else text
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in character of each byte (GPT-2's), mapped back to the byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(kept), 0
+    for b in range(256):
+        if b not in kept:
+            kept.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(kept, chars, strict=True)}
 
 
 def _implied_merges(vocab: Mapping[str, int], rank: Mapping[str, float]) -> list[tuple[str, str]]:

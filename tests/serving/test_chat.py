@@ -106,6 +106,35 @@ def test_openai_client_chat_and_completions_equal_the_decoder(server: Server, de
     assert client.models.list().data[0].id == "tiny-chat"
 
 
+def test_logprobs_give_each_token_its_id_bytes_and_log_probability(server: Server, decoder) -> None:
+    """logprobs (whole and streamed): one entry per generated token, whose ids are Decoder.generate's, whose bytes
+    spell the text, greedy's choice first among top_logprobs (likeliest first), each a log-probability; a
+    top_logprobs without logprobs is 400."""
+    import math
+
+    client = _client(server)
+    messages = CHATS[0]
+    want = decoder.generate(messages, max_tokens=10)
+    got = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=10, temperature=0,
+                                         logprobs=True, top_logprobs=3)  # fmt: skip
+    entries = got.choices[0].logprobs.content
+    assert [e.model_extra["id"] for e in entries] == want.token_ids
+    spelled = b"".join(bytes(e.bytes) for e in entries).decode("utf-8", errors="replace")
+    assert spelled == got.choices[0].message.content == want.text
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob == tops[0] <= 0
+        assert sum(math.exp(t) for t in tops) <= 1 + 1e-9  # probabilities of distinct tokens
+    streamed = list(client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=10,
+                                                   temperature=0, logprobs=True, stream=True))  # fmt: skip
+    ids = [e.model_extra["id"] for c in streamed if c.choices and c.choices[0].logprobs
+           for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert ids == want.token_ids
+    status, body, _ = server.call("POST", CHAT, {"messages": USER, "top_logprobs": 2})
+    assert status == 400 and body["error"]["param"] == "top_logprobs"
+    assert client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=2).choices[0].logprobs is None
+
+
 def test_sixteen_concurrent_streams_each_get_their_tokens_alone(server: Server, decoder) -> None:
     """16 greedy streams of different prompt lengths and lengths, started together: each one's text is the one
     Decoder.generate gives it alone, and the engine ran them in batches."""

@@ -1,0 +1,307 @@
+"""The chat engine backend: a candidate is a chat engine (:class:`runtime.decoder.engine.ChatEngine`), served in a
+host process of its own (:mod:`runtime.sandbox.chat_host`), checked against the fp32 engine and measured under
+closed-loop streaming load.
+
+Stages and statuses are the C backend's: a genome outside the engine's options, or one this machine cannot
+run, is ``invalid``; a host that does not come up ``crash``; an engine under the fidelity floor ``wrong``.
+
+- **Fidelity.** The engine's numerics (what runs the GEMMs, the other slots, the KV cache's type) teacher-forced
+  on the task's held-out texts against the fp32 numpy engine, computed in the worker: top-1 agreement and mean
+  KL must hold the task's floor (:class:`runtime.decoder.fidelity.Floor`). Engines that differ only in batching
+  or threads share the figure.
+- **The load.** ``streams`` clients in the worker stream greedy chat completions from the host (fresh prompts
+  each load, one warm-up request first), the host's processes pinned to the task's cores under the timing lock.
+  Every figure is the clients' (:mod:`runtime.decoder.chat_load`); every request asks for its tokens' ids
+  (``logprobs``). Then ``verified`` answers, chosen once the load is over, are teacher-forced through the fp32
+  engine here: each answer's ids must spell its streamed text and number the usage the host reported, and the
+  share of them that are the fp32 engine's top-1 must be within ``_VERIFY_MARGIN`` of the floor, or the engine
+  is ``wrong`` (it served something other than what was checked, or miscounted its tokens).
+- **The reference** is the default engine (``evo serve --gguf``'s) under the same load, cores and path, again
+  whenever its figures are older than ``reference_every_s``; ``vs_reference`` is the candidate's tokens/s over it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from genome import Genome, canonical_json
+from runtime.backends.base import (
+    Backend,
+    BackendUnavailable,
+    Build,
+    Column,
+    Failure,
+    Measurement,
+    Program,
+    WorkerContext,
+)
+from runtime.decoder.chat_load import ChatLoad, LoadFailed, chat, run_load
+from runtime.decoder.engine import ChatEngine, EngineUnfit, build
+from runtime.decoder.engine_task import ChatEngineTask
+from runtime.decoder.fidelity import Fidelity, fidelity
+from runtime.decoder.models import ModelNotFound, model_file
+from runtime.decoder.ops import DecoderOps
+from runtime.result import Status
+from runtime.sandbox.chat_host import ChatHost, ChatHostFailed, ChatTemplate, prime_chat_host
+from runtime.sandbox.hosted_engine import pin, process_tree
+from runtime.settings import EvalSettings
+from runtime.timing import pinned
+from runtime.toolchain.cc import CompileError, CompilerNotFound, compiler_version
+
+__all__ = ["ChatEngineBackend", "ChatEngineProgram", "Measured"]
+
+_VERIFY_MARGIN = 0.10  # a greedy answer's own tokens agree with the fp32 engine a little less than teacher-forced text
+
+
+@dataclass
+class Measured:
+    """One load on one host: the clients' figures and the host's peak resident memory (MB)."""
+
+    load: ChatLoad
+    memory_mb: float
+
+
+def _rss_bytes(pids: list[int]) -> int:
+    page, total = os.sysconf("SC_PAGE_SIZE"), 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{pid}/statm") as f:
+            total += int(f.read().split()[1]) * page
+    return total
+
+
+def measure(host: ChatHost, task: ChatEngineTask, cores: set[int], salt: int | None = None) -> Measured:
+    """The task's load on ``host`` (its processes on ``cores``), on prompts drawn from ``salt`` (default a fresh
+    one), after one warm-up request. Raises :class:`Failure` (``crash``) where a request fails."""
+    a = task.args
+    pin(process_tree(host.pid), cores)
+    prompts = task.prompts(secrets.randbits(63) if salt is None else salt)
+    peak = [0]
+
+    def sample() -> None:
+        peak[0] = max(peak[0], _rss_bytes(process_tree(host.pid)))
+
+    try:
+        chat(host.port, prompts[0], 4)
+        load = run_load(host.port, prompts[1:], a.streams, a.max_tokens, ids=True, tick=sample)
+    except LoadFailed as exc:
+        why = "the engine's host died" if not host.alive() else "a request failed"
+        raise Failure(Status.CRASH, f"{why} under load: {exc}; its log: {host.tail(600)}") from None
+    sample()
+    return Measured(load, peak[0] / 2**20)
+
+
+@dataclass
+class _Reference:
+    """The default engine's load figures, and when (``time.monotonic()``) they were taken."""
+
+    measured: Measured | None = None
+    at: float = 0.0
+
+
+@dataclass
+class ChatEngineProgram(Program):
+    """A chat engine serving in its host (its kernels loaded), not yet under load."""
+
+    task: ChatEngineTask
+    host: ChatHost
+    engine: ChatEngine
+    settings: EvalSettings
+    ctx: WorkerContext
+    backend: ChatEngineBackend
+    calls_s: float = 0.0
+    _closed: bool = field(default=False, repr=False)
+
+    def check(self, trials: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        found = self.backend.fidelity(self.task, self.engine, self.ctx)
+        spent = time.perf_counter() - t0
+        self.calls_s += spent
+        metrics = {"top1": found.top1, "mean_kl": found.mean_kl, "max_kl": found.max_kl}
+        if not found.holds(self.task.args.floor):
+            f = self.task.args.floor
+            raise Failure(Status.WRONG, f"under the fidelity floor (top-1 >= {f.top1:g}, mean KL <= {f.mean_kl:g}) "
+                          f"against the fp32 engine: {found} (linear {self.engine.linear})", metrics=metrics,
+                          timings={"check_s": spent})  # fmt: skip
+        return metrics
+
+    def _verify(self, measured: Measured) -> dict[str, Any]:
+        """``verified`` answers of the load, chosen now, against the fp32 engine; raises :class:`Failure`."""
+        a = self.task.args
+        answers = measured.load.answers
+        rng = np.random.default_rng(secrets.randbits(63))
+        picked = [answers[i] for i in rng.choice(len(answers), size=min(a.verified, len(answers)), replace=False)]
+        model = self.task.model()
+        agree, total = 0, 0
+        for answer in picked:
+            got = answer.token_ids
+            # a character cut by the last token is held back by the stream: only its replacement may differ
+            spelled = model.tokenizer.decode(got).rstrip("\ufffd") == answer.text.rstrip("\ufffd")
+            if len(got) != answer.completion_tokens or not spelled:
+                raise Failure(Status.WRONG, f"an answer's text and tokens disagree: {len(got)} tokens listed, "
+                              f"{answer.completion_tokens} reported, and its text {'is' if spelled else 'is not'} "
+                              "theirs", metrics={"verified_answers": len(picked)})  # fmt: skip
+            prompt = model.tokenizer.encode_chat([{"role": "user", "content": answer.prompt}])
+            ids = prompt + got
+            logits = model.forward([ids], [model.new_cache(len(ids))], DecoderOps(), all_logits=True)
+            predicted = logits[len(prompt) - 1 : len(ids) - 1].argmax(axis=-1)
+            agree += int((predicted == np.asarray(got)).sum())
+            total += len(got)
+        share = agree / total if total else 1.0
+        least = a.floor.top1 - _VERIFY_MARGIN
+        if share < least:
+            raise Failure(Status.WRONG, f"under load, {share:.3f} of the answers' tokens are the fp32 engine's top-1 "
+                          f"(at least {least:.2f} expected): it served something other than what was checked",
+                          metrics={"verified_top1": share})  # fmt: skip
+        return {"verified_top1": share, "verified_answers": len(picked)}
+
+    def time(self) -> Measurement:
+        task, settings, ref = self.task, self.settings, self.backend.reference_of(self.task)
+        a = task.args
+        t0 = time.perf_counter()
+        with self.ctx.lock.held() as waited, pinned(settings.timing.core, task.cores) as cores:  # type: ignore[union-attr]
+            age = time.monotonic() - ref.at
+            if ref.measured is None or age > a.reference_every_s:
+                default = self.backend.serve(task, ChatEngine(threads=task.cores), self.ctx)
+                try:
+                    ref.measured, ref.at, age = measure(default, task, cores), time.monotonic(), 0.0
+                finally:
+                    self.backend.release(default)
+            run = measure(self.host, task, cores)
+        spent = time.perf_counter() - t0 - waited
+        t1 = time.perf_counter()
+        verified = self._verify(run)
+        verify_s = time.perf_counter() - t1
+        self.calls_s += spent
+        base, r = ref.measured.load, run.load
+        itl_ms, ttft_ms = r.itl_s[1] * 1000, r.ttft_s[1] * 1000
+        over = itl_ms > a.itl_p99_budget_ms or ttft_ms > a.ttft_p99_budget_ms
+        metrics = dict(
+            tokens_per_s=r.tokens_per_s, ttft_p50_ms=r.ttft_s[0] * 1000, ttft_p99_ms=ttft_ms,
+            itl_p50_ms=r.itl_s[0] * 1000, itl_p99_ms=itl_ms, requests=len(r.answers), tokens=r.tokens,
+            prompt_tokens=r.prompt_tokens, memory_mb=run.memory_mb,
+            vs_reference=r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None,
+            ref_tokens_per_s=base.tokens_per_s, ref_itl_p99_ms=base.itl_s[1] * 1000, ref_age_s=age,
+            over_budget=over, itl_p99_budget_ms=a.itl_p99_budget_ms, ttft_p99_budget_ms=a.ttft_p99_budget_ms,
+            streams=a.streams, cores=sorted(cores), **verified,
+        )  # fmt: skip
+        return Measurement(None if over else r.tokens_per_s, metrics,
+                           {"lock_wait_s": waited, "time_s": spent, "verify_s": verify_s})  # fmt: skip
+
+    def confirm(self) -> None:
+        """The fidelity again (the engine's numerics, as checked before its load)."""
+        self.check(1)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.backend.release(self.host)
+
+
+class ChatEngineBackend(Backend[ChatEngineTask]):
+    """Chat engines of a GGUF model, measured under streaming load over HTTP."""
+
+    name = "chat_engine"
+    whole_node = True
+    program = ChatEngineProgram
+    check_columns = (Column("top1", "top-1"), Column("mean_kl", "mean KL"))
+
+    def __init__(self) -> None:
+        self._templates: dict[str, ChatTemplate] = {}
+        self._references: dict[str, _Reference] = {}
+        self._fidelity: dict[tuple[str, ...], Fidelity] = {}
+        self._live: set[int] = set()
+
+    def reference_of(self, task: ChatEngineTask) -> _Reference:
+        key = canonical_json(task.args.model_dump(mode="json"))
+        return self._references.setdefault(key, _Reference())
+
+    def fidelity(self, task: ChatEngineTask, engine: ChatEngine, ctx: WorkerContext) -> Fidelity:
+        """The numerics of ``engine`` against the fp32 engine on the task's held-out texts (computed once per
+        model, texts and numerics in this worker)."""
+        key = (task.args.model, canonical_json(task.check_texts()), engine.linear, engine.slots, engine.kv_dtype)
+        found = self._fidelity.get(key)
+        if found is None:
+            model = task.model()
+            candidate = build(model, engine.model_copy(update={"threads": 1}), cache_dir=ctx.cache_dir)
+            found = self._fidelity[key] = fidelity(model, DecoderOps(), candidate.ops, task.check_texts())
+        return found
+
+    # --- hosts -------------------------------------------------------------------------------------
+
+    def template(self, task: ChatEngineTask, ctx: WorkerContext) -> ChatTemplate:
+        key = task.args.model
+        found = self._templates.get(key)
+        if found is None or not found.alive:
+            found = self._templates[key] = ChatTemplate(task.model(), task.model_id(), cache_dir=ctx.cache_dir,
+                                                        log_dir=ctx.work_dir)  # fmt: skip
+        return found
+
+    def serve(self, task: ChatEngineTask, engine: ChatEngine, ctx: WorkerContext) -> ChatHost:
+        """A host serving ``engine``, ready. Raises :class:`Failure` (``crash``) where it does not come up."""
+        host = self.template(task, ctx).spawn(engine, kv_budget_bytes=int(task.args.kv_cache_mb * 2**20))
+        self._live.add(host.pid)
+        try:
+            host.wait_ready()
+        except ChatHostFailed as exc:
+            self.release(host)
+            raise Failure(Status.CRASH, str(exc)) from None
+        return host
+
+    def release(self, host: ChatHost) -> None:
+        self._live.discard(host.pid)
+        host.close()
+
+    # --- the backend -------------------------------------------------------------------------------
+
+    def preflight(self, task: ChatEngineTask, settings: EvalSettings, *, compile_only: bool = False) -> None:
+        try:
+            compiler_version(settings.compiler.cc)  # the slots' kernels are C
+            model_file(task.args.model)
+        except (CompilerNotFound, ModelNotFound) as exc:
+            raise BackendUnavailable(str(exc)) from None
+        try:
+            import uvicorn  # noqa: F401 - a host serves the chat app
+
+            import serving  # noqa: F401
+        except ImportError as exc:
+            raise BackendUnavailable(f"the chat_engine task serves its engines: it needs the serve extra "
+                                     f"({exc.name} is missing): pip install -c constraints.txt -e "
+                                     "'.[serve,decoder]'") from None  # fmt: skip
+
+    def prepare_worker(self, task: ChatEngineTask) -> None:
+        """Loads the model and the held-out texts, and whatever a host serves with (see
+        :func:`runtime.sandbox.chat_host.prime_chat_host`)."""
+        task.model()
+        task.corpus_ids()
+        task.check_texts()
+        prime_chat_host(task.model(), task.model_id())
+
+    def sandboxed(self, task: ChatEngineTask, ctx: WorkerContext) -> None:
+        """Forks the hosts' template now, before any evaluation puts reference logits or answers in memory."""
+        self.template(task, ctx)
+
+    def compile(self, task: ChatEngineTask, genome: Genome, settings: EvalSettings, ctx: WorkerContext) -> Build:
+        """``genome``'s engine, validated, and what it needs checked against this machine (its kernels compile in
+        its host)."""
+        try:
+            engine = task.engine(genome)
+            engine.check()
+        except (ValueError, ValidationError, TypeError) as exc:  # EngineUnfit is a ValueError
+            why = str(exc) if isinstance(exc, EngineUnfit) else f"not a chat engine: {exc}"
+            raise Failure(Status.INVALID, why) from None
+        return Build(genome, engine)
+
+    def load(self, task: ChatEngineTask, build: Build, settings: EvalSettings, ctx: WorkerContext) -> ChatEngineProgram:
+        try:
+            host = self.serve(task, build.artifact, ctx)
+        except CompileError as exc:
+            raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
+        return ChatEngineProgram(task, host, build.artifact, settings, ctx, self)

@@ -1,0 +1,210 @@
+"""The ``chat_engine`` task: a chat engine's settings are the genome, fitness is output tokens/s under generative load.
+
+A candidate (:class:`runtime.decoder.engine.ChatEngine`: what runs the GEMMs, the other slots, the KV cache's
+type, the tokens per step, the running batch, the threads) serves a GGUF chat model over HTTP in a host process
+of its own, and ``streams`` closed-loop clients stream greedy chat completions from it, fresh prompts every
+load. Fitness is the output tokens/s the clients counted; an engine whose p99 inter-token latency or p99 time to
+first token is over its budget is stored with its figures and no fitness, never an elite. Descriptors: the p99
+inter-token latency and the host's memory. The evaluation is :mod:`runtime.backends.chat_engine`'s.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import random
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, model_validator
+
+from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param
+from runtime.decoder.engine import ChatEngine
+from runtime.decoder.fidelity import Floor
+from runtime.decoder.kernels import PRECISIONS, DecoderKernelError, linear_task
+from runtime.decoder.model import DecoderModel, load_decoder
+from runtime.decoder.models import model_file
+from runtime.task import Descriptor, Task, TaskArgs
+
+__all__ = ["ChatEngineArgs", "ChatEngineTask", "runnable_precisions"]
+
+
+class ChatEngineArgs(TaskArgs):
+    """The model, the load an engine is measured under, its budgets and its fidelity floor."""
+
+    model: str = Field("smollm2", description="a GGUF chat model: a path, or smollm2 / gemma3 (their packages' files)")
+    threads: int = Field(2, ge=1, description="cores the engine and its load may use")
+    streams: int = Field(8, ge=1, le=256, description="closed-loop chat clients")
+    requests: int = Field(2, ge=1, description="requests each client sends per load (one after another)")
+    prompt_tokens: tuple[int, int] = Field((32, 512), description="the prompts' lengths in tokens, drawn uniformly")
+    max_tokens: int = Field(128, ge=1, description="tokens each answer runs to (greedy, end tokens ignored)")
+    itl_p99_budget_ms: float = Field(1000.0, gt=0, description="p99 inter-token latency above this: no fitness")
+    ttft_p99_budget_ms: float = Field(60000.0, gt=0, description="p99 time to first token above this: no fitness")
+    top1_floor: float = Field(0.95, gt=0, le=1, description="top-1 agreement with the fp32 engine, at least")
+    kl_floor: float = Field(0.01, ge=0, description="mean KL divergence from the fp32 engine (nats), at most")
+    check_texts: int = Field(8, ge=1, description="held-out texts the fidelity check teacher-forces")
+    verified: int = Field(4, ge=0, description="answers of each load checked against the fp32 engine, chosen "
+                          "once it is over")  # fmt: skip
+    kv_cache_mb: float = Field(2048.0, gt=0, description="the KV cache budget of the running requests")
+    reference_every_s: float = Field(300.0, ge=0, description="re-measure the default engine (vs_reference's base) "
+                                     "once its figures are older than this; 0: before every candidate")  # fmt: skip
+    max_step_tokens: int = Field(256, ge=16, description="largest step_tokens the space offers (a power of two)")
+    precisions: list[str] | None = Field(None, description="what the linear gene may choose besides numpy "
+                                         "(default: every precision with a kernel this CPU runs)")  # fmt: skip
+    seed: int = Field(0, description="seed of the held-out texts")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> ChatEngineArgs:
+        lo, hi = self.prompt_tokens
+        if not 1 <= lo <= hi:
+            raise ValueError(f"prompt_tokens {list(self.prompt_tokens)}: give [low, high] with 1 <= low <= high")
+        for p in self.precisions or ():
+            if p not in PRECISIONS:
+                raise ValueError(f"precisions: no precision {p!r} (choose from {', '.join(PRECISIONS)})")
+        return self
+
+    @property
+    def floor(self) -> Floor:
+        return Floor(top1=self.top1_floor, mean_kl=self.kl_floor)
+
+
+def runnable_precisions() -> list[str]:
+    """The linear slot's precisions with a kernel this CPU runs (as :mod:`runtime.isa` shows it)."""
+    out = []
+    for p in PRECISIONS:
+        try:
+            linear_task(p)
+        except DecoderKernelError:
+            continue
+        out.append(p)
+    return out
+
+
+@cache
+def corpus() -> str:
+    """English text that ships with evoforge (its decoder's module documentation): held-out texts and prompts."""
+    from runtime.decoder import chat_load, engine, fidelity, generate, gguf_file, kernels, model, scheduler, tokenizer
+
+    docs = [inspect.getdoc(m) or "" for m in (generate, scheduler, kernels, fidelity, model, tokenizer, gguf_file,
+                                                engine, chat_load)]  # fmt: skip
+    return "\n\n".join(d for d in docs if d)
+
+
+class ChatEngineTask(Task):
+    """Evolves a :class:`ChatEngine` for a GGUF chat model (default SmolLM2-135M-Instruct) under generative load
+    (the ``chat_engine`` backend)."""
+
+    name = "chat_engine"
+    unit = "tokens/s"
+    description = "chat engine under closed-loop streaming load, p99 inter-token latency bounded"
+    signature = "(a chat engine configuration)"
+    backend = "chat_engine"
+    Args = ChatEngineArgs
+    args: ChatEngineArgs
+
+    def __init__(self, args: Mapping[str, Any] | None = None) -> None:
+        super().__init__(args)
+        self._model: DecoderModel | None = None
+        self._path: Path | None = None
+
+    @classmethod
+    def resolve_args(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
+        """A model given as a relative path is made absolute against ``cwd`` (workers run elsewhere)."""
+        out = dict(args)
+        model = str(out.get("model", "smollm2"))
+        if model not in ("smollm2", "gemma3"):
+            out["model"] = os.path.join(cwd, model)
+        return out
+
+    @property
+    def cores(self) -> int:
+        return max(1, min(self.args.threads, len(os.sched_getaffinity(0))))
+
+    # --- the genome -----------------------------------------------------------------------------
+
+    def linear_choices(self) -> tuple[str, ...]:
+        runnable = runnable_precisions()
+        chosen = [p for p in (self.args.precisions or runnable) if p in runnable]
+        return ("numpy", *chosen)
+
+    def space(self) -> ParamSpace:
+        a = self.args
+        running = 1 << max(a.streams - 1, 1).bit_length()  # a power of two, at least the streams
+        params: dict[str, Any] = {
+            "linear": ChoiceParam(type="choice", values=self.linear_choices()),
+            "slots": ChoiceParam(type="choice", values=("c", "numpy")),
+            "kv_dtype": ChoiceParam(type="choice", values=("fp32", "f16")),
+            "step_tokens": Pow2Param(type="pow2", low=16, high=1 << (a.max_step_tokens.bit_length() - 1)),
+            "max_running": Pow2Param(type="pow2", low=1, high=running),
+            "threads": IntParam(type="int", low=1, high=self.cores),
+        }
+        return ParamSpace(params, [])
+
+    def seeds(self) -> list[Genome]:
+        """The default engine (``evo serve --gguf``'s: numpy GEMMs, C attention and RMSNorm), and with q8 kernels
+        and an f16 cache where q8 runs here (the fastest engine measured on SmolLM2 that holds the floor)."""
+        base = ChatEngine(threads=self.cores).model_dump()
+        seeds = [base]
+        if "q8" in self.linear_choices():
+            seeds.append({**base, "linear": "q8", "kv_dtype": "f16", "step_tokens": 32})
+        return [Genome(params=p) for p in seeds]
+
+    def engine(self, genome: Genome) -> ChatEngine:
+        """The engine a genome describes (raises ValueError for one outside the engine's options)."""
+        return ChatEngine(**genome.params)
+
+    def render(self, genome: Genome) -> str:
+        """The engine as YAML (what ``evo archive show`` and ``export`` print; ``POST /admin/engine`` takes it as
+        JSON)."""
+        cfg = self.engine(genome).model_dump(mode="json")
+        return f"# chat engine ({self.name} task)\n" + yaml.safe_dump(cfg, sort_keys=False)
+
+    def descriptors(self) -> dict[str, Descriptor]:
+        budget = self.args.itl_p99_budget_ms
+        return {
+            "itl_p99_ms": Descriptor("itl_p99_ms", "p99 inter-token latency under the load (ms)",
+                                     lambda g, m: float(m.get("itl_p99_ms", budget)), 0.0, budget),
+            "memory_mb": Descriptor("memory_mb", "peak resident memory of the engine's host under the load (MB)",
+                                    lambda g, m: float(m.get("memory_mb", 0.0)), 0.0, 4096.0),
+            "step_tokens": Descriptor("step_tokens", "the genome's tokens per engine step",
+                                      lambda g, m: float(g.params.get("step_tokens", 64)), 0.0, 256.0),
+        }  # fmt: skip
+
+    # --- what a worker loads --------------------------------------------------------------------
+
+    def model_path(self) -> Path:
+        """The model's file (found once: a worker may not see it after it drops its privileges)."""
+        if self._path is None:
+            self._path = model_file(self.args.model)
+        return self._path
+
+    def model(self) -> DecoderModel:
+        """The model in fp32 (loaded once)."""
+        if self._model is None:
+            self._model = load_decoder(self.model_path())
+        return self._model
+
+    def model_id(self) -> str:
+        return self.model_path().stem
+
+    def corpus_ids(self) -> list[int]:
+        return self.model().tokenizer.encode(corpus(), add_bos=False)
+
+    def check_texts(self) -> list[str]:
+        """The held-out texts of the fidelity check: paragraphs of :func:`corpus`, the longest first that fit in
+        half the model's context (fixed)."""
+        fit = min(self.model().config.context // 2, 512)
+        tokenizer = self.model().tokenizer
+        paragraphs = sorted((p for p in corpus().split("\n\n") if len(p) > 80), key=len, reverse=True)
+        return [p for p in paragraphs if len(tokenizer.encode(p)) <= fit][: self.args.check_texts]
+
+    def prompts(self, salt: int) -> list[str]:
+        """One load's prompts, new for each ``salt``: every client's requests, and one to warm up with first."""
+        from runtime.decoder.chat_load import draw_prompts
+
+        a = self.args
+        return draw_prompts(self.model().tokenizer, self.corpus_ids(), a.streams * a.requests + 1, *a.prompt_tokens,
+                            random.Random(salt))  # fmt: skip

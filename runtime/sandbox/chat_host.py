@@ -1,0 +1,218 @@
+"""Chat engines in host processes: each serves the chat app (``evo serve --gguf``'s) on a loopback port, and is
+measured from outside, over HTTP, on the caller's clock.
+
+A worker never builds a chat engine itself. It forks a template once (:class:`ChatTemplate`), when the model
+is loaded and before anything else is (no reference logits, no answers): the template holds the model and
+waits. For each engine it binds a loopback port and forks a host, which builds the engine (compiling its kernels
+into the worker's cache), serves on that port until it is killed, and prints to a log file of its own. Hosts
+stay in the worker's process group and die with the template, which dies with the worker.
+
+The host is not under the system-call filter of kernel hosts: it serves HTTP, so it needs its socket. Every
+figure is taken by the caller's clients, and what a host generates is checked against the fp32 engine computed
+in the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import http.client
+import json
+import os
+import resource
+import signal
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.decoder.engine import ChatEngine
+from runtime.decoder.model import DecoderModel
+
+__all__ = ["ChatHost", "ChatHostFailed", "ChatTemplate", "prime_chat_host"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ChatHostFailed(RuntimeError):
+    """A host that did not come up (its build failed, it died, or it was not ready in time); the message ends
+    with its log's tail."""
+
+
+@dataclass
+class ChatHost:
+    """One engine serving on ``127.0.0.1:port``."""
+
+    pid: int
+    port: int
+    log: Path
+
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def tail(self, chars: int = 1500) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-chars:]
+        return ""
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Returns once ``GET /ready`` answers 200; raises :class:`ChatHostFailed` if it dies or takes longer."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ChatHostFailed(f"the engine's host exited before it served: {self.tail()}")
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/ready")
+                if conn.getresponse().status == 200:
+                    return
+            time.sleep(0.05)
+        self.close()
+        raise ChatHostFailed(f"the engine's host was not ready after {timeout:.0f} s: {self.tail()}")
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+class ChatTemplate:
+    """The process hosts of ``model`` are forked from (forked from the caller here)."""
+
+    def __init__(self, model: DecoderModel, model_id: str, *, cache_dir: str, log_dir: str) -> None:
+        ours, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:  # the template
+            code = 1
+            try:
+                ours.close()
+                _template(theirs, model, model_id, cache_dir, log_dir)
+                code = 0
+            except BaseException:  # noqa: BLE001 - said on stderr, then the process ends
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        theirs.close()
+        self.pid, self._sock = pid, ours
+        self._lines = ours.makefile("r")
+
+    @property
+    def alive(self) -> bool:
+        try:
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
+
+    def spawn(self, engine: ChatEngine, *, kv_budget_bytes: int, max_waiting: int = 1024) -> ChatHost:
+        """A host serving ``engine``, not yet ready (see :meth:`ChatHost.wait_ready`)."""
+        order = {"engine": engine.model_dump(), "kv_budget_bytes": kv_budget_bytes, "max_waiting": max_waiting}
+        self._sock.sendall((json.dumps(order) + "\n").encode())
+        line = self._lines.readline()
+        if not line:
+            raise ChatHostFailed("the chat engines' template process is gone")
+        got = json.loads(line)
+        return ChatHost(got["pid"], got["port"], Path(got["log"]))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def _template(sock: socket.socket, model: DecoderModel, model_id: str, cache_dir: str, log_dir: str) -> None:
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # hosts are reaped as they die
+    lines = sock.makefile("r")
+    while line := lines.readline():
+        order: dict[str, Any] = json.loads(line)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(256)
+        port = listener.getsockname()[1]
+        log = os.path.join(log_dir, f"chat-host-{os.getpid()}-{port}.log")
+        pid = os.fork()
+        if pid == 0:  # a host
+            code = 1
+            try:
+                sock.close()
+                _host(listener, model, model_id, order, cache_dir, log)
+                code = 0
+            except BaseException:  # noqa: BLE001 - said in its log, then the process ends
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        listener.close()
+        sock.sendall((json.dumps({"pid": pid, "port": port, "log": log}) + "\n").encode())
+
+
+def _host(listener: socket.socket, model: DecoderModel, model_id: str, order: dict[str, Any], cache_dir: str,
+          log: str) -> None:  # fmt: skip
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)  # it serves until its caller kills it, as a server does
+    resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    import uvicorn
+
+    from runtime.decoder import SchedulerConfig
+    from serving._chat_app import create_chat_app
+
+    engine = ChatEngine(**order["engine"])
+    budgets = SchedulerConfig(kv_budget_bytes=order["kv_budget_bytes"], max_waiting=order["max_waiting"])
+    app = create_chat_app(model, engine, model_ids=(model_id,), budgets=budgets, cache_dir=cache_dir)
+    config = uvicorn.Config(app, fd=listener.fileno(), log_level="warning", access_log=False, lifespan="on")
+    uvicorn.Server(config).run()
+
+
+def prime_chat_host(model: DecoderModel, model_id: str) -> None:
+    """Loads, in this process, every module and file a host will use, while they can still be read (a worker
+    calls this before it drops its privileges; its hosts are forked from it later): the chat app served once on
+    uvicorn, one streamed request answered, and the C sources of every decoder slot's kernels."""
+    import threading
+
+    import uvicorn
+
+    from runtime.decoder import SchedulerConfig
+    from runtime.decoder.chat_load import chat
+    from runtime.decoder.kernels import PRECISIONS, DecoderKernelError, linear_task
+    from runtime.sandbox.limits import preload_modules
+    from runtime.task import load_task_class
+    from serving._chat_app import create_chat_app
+
+    preload_modules(("importlib.readers", "importlib.resources.readers", "threadpoolctl"))
+    names = ["attention_decode", "rmsnorm"]
+    for p in PRECISIONS:
+        with contextlib.suppress(DecoderKernelError):
+            names.append(linear_task(p))
+    for name in names:
+        for genome in load_task_class(name)().seeds():
+            with contextlib.suppress(Exception):
+                load_task_class(name)().render(genome)
+    app = create_chat_app(model, ChatEngine(slots="numpy", threads=1), model_ids=(model_id,),
+                          budgets=SchedulerConfig(kv_budget_bytes=256 << 20))  # fmt: skip
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    server = uvicorn.Server(uvicorn.Config(app, fd=listener.fileno(), log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        chat(listener.getsockname()[1], "Hello", 2)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        listener.close()
