@@ -157,12 +157,14 @@ def _pct(values: Sequence[float] | np.ndarray, q: float) -> float:
 
 
 def draw_prompts(tokenizer: Tokenizer, corpus: Sequence[int], count: int, lo: int, hi: int,
-                 rng: random.Random) -> list[str]:  # fmt: skip
+                 rng: random.Random, lengths: random.Random | None = None) -> list[str]:  # fmt: skip
     """``count`` user messages cut from the token ids ``corpus``, each about ``lo``..``hi`` tokens once the chat
-    template wraps it, each from an offset of its own."""
+    template wraps it, each from an offset of its own (drawn by ``rng``; the lengths by ``lengths``, default
+    ``rng`` too: loads whose lengths are drawn alike do the same work on other text)."""
+    lengths = lengths or rng
     out = []
     for _ in range(count):
-        n = max(1, rng.randint(lo, hi) - 30)  # the chat template's own tokens, about
+        n = max(1, lengths.randint(lo, hi) - 30)  # the chat template's own tokens, about
         start = rng.randrange(0, max(1, len(corpus) - n))
         out.append("Summarise this:\n" + tokenizer.decode(list(corpus[start : start + n])))
     return out

@@ -146,7 +146,8 @@ class ChatEngineTask(Task):
     def seeds(self) -> list[Genome]:
         """The default engine (``evo serve --gguf``'s: numpy GEMMs, C attention and RMSNorm), and with q8 kernels
         and an f16 cache where q8 runs here (the fastest engine measured on SmolLM2 that holds the floor)."""
-        base = ChatEngine(threads=self.cores).model_dump()
+        running = self.space().params["max_running"].high  # type: ignore[attr-defined]
+        base = ChatEngine(threads=self.cores, max_running=min(64, running)).model_dump()
         seeds = [base]
         if "q8" in self.linear_choices():
             seeds.append({**base, "linear": "q8", "kv_dtype": "f16", "step_tokens": 32})
@@ -202,9 +203,10 @@ class ChatEngineTask(Task):
         return [p for p in paragraphs if len(tokenizer.encode(p)) <= fit][: self.args.check_texts]
 
     def prompts(self, salt: int) -> list[str]:
-        """One load's prompts, new for each ``salt``: every client's requests, and one to warm up with first."""
+        """One load's prompts, new text for each ``salt``: every client's requests, and one to warm up with first.
+        Their lengths are the same in every load (drawn from the task's ``seed``), so two loads do the same work."""
         from runtime.decoder.chat_load import draw_prompts
 
         a = self.args
         return draw_prompts(self.model().tokenizer, self.corpus_ids(), a.streams * a.requests + 1, *a.prompt_tokens,
-                            random.Random(salt))  # fmt: skip
+                            random.Random(salt), lengths=random.Random(a.seed))  # fmt: skip

@@ -52,6 +52,7 @@ def test_every_builtin_task_has_a_registered_backend_with_its_stages():
         "c": {"compile", "check", "full", "run", "duel"},
         "cuda": {"compile", "check", "full"},
         "engine": {"compile", "check", "full", "duel", "profile"},
+        "chat_engine": {"compile", "check", "full"},
     }
 
 
@@ -72,7 +73,7 @@ def test_a_task_that_names_no_backend_is_refused(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(TaskLoadError, match="names no backend: subclass runtime.KernelTask"):
         load_task_class("no_backend_task:T")
-    with pytest.raises(TaskLoadError, match="unknown backend 'fpga': use one of c, cuda, engine or 'module:Class'"):
+    with pytest.raises(TaskLoadError, match="unknown backend 'fpga': use one of c, chat_engine, cuda, engine or 'module:Class'"):
         load_task_class("odd_backend_task:U")
 
 
