@@ -80,7 +80,10 @@ def _table(rows: list[dict[str, Any]], title: str, columns: tuple[Column, ...]) 
         cells = []
         for col in columns:
             v = r.get(col.metric)
-            cells.append("-" if v is None else f"{v:.0%}" if col.percent else str(v))
+            if v is None:
+                cells.append("-")
+            else:
+                cells.append(f"{v:.0%}" if col.percent else f"{v:.4g}" if isinstance(v, float) else str(v))
         table.add_row(r["point"], r["status"], *cells, f"{r['compile_s']:.2f}",
                       " ".join(f"{k}={v}" for k, v in r["params"].items()))  # fmt: skip
     return table

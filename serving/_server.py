@@ -14,11 +14,11 @@ import os
 import signal
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from archive import FactoryDir, is_run, run_db
 from serving._runner import ServeError
-from serving._served_run import ServedRun, open_served
+from serving._served_run import EliteNotFound, ServedRun, open_served
 from serving._state import Limits
 
 if TYPE_CHECKING:
@@ -71,13 +71,52 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
     if not is_run(run_dir):
         raise ServeError(f"no run in {run_dir} (expected {run_db(run_dir)}): give the directory of an evo run")
     with open_served(run_dir) as run:  # once: what is served, checked before the port is taken
-        served = ServedRun.read(run, elite)
+        if run.task_name == "chat_engine":
+            if follow is not None:
+                raise ServeError(f"{follow} promoted a chat engine run: --follow serves encoder engines only")
+            model, engine, note = _chat_elite(run, elite)
+        else:
+            served = ServedRun.read(run, elite)
+    if run.task_name == "chat_engine":
+        log.info("serving %s", note)
+        return serve_gguf(model, engine=engine, host=host, port=port, api_key_env=api_key_env, limits=limits,
+                          drain_timeout=drain_timeout)  # fmt: skip
     api_key = _api_key(api_key_env)
     _check_port(host, port)
     _log_start(served.note, host, port, api_key)
     app = create_app(served, elite=elite, api_key=api_key, limits=limits, warmup=warmup,
                      follow=Path(follow) if follow is not None else None)
     return _run(app, host, port, drain_timeout)
+
+
+def _chat_elite(run: Any, elite: str) -> tuple[Path, ChatEngine, str]:
+    """The model of a ``chat_engine`` run and its engine ``elite`` (``best``: the fittest ok one; ``default``:
+    evo serve --gguf's defaults; or an id or prefix), and what it is."""
+    from runtime.decoder.engine import ChatEngine
+    from runtime.decoder.models import ModelNotFound, model_file
+
+    try:
+        model = model_file(str(run.task_args.get("model", "smollm2")))
+    except ModelNotFound as exc:
+        raise ServeError(f"the chat_engine run's model: {exc}") from None
+    if elite == "default":
+        return model, ChatEngine(), "the default chat engine"
+    if elite == "best":
+        best = run.store.best(1)
+        if not best:
+            return model, ChatEngine(), f"the default chat engine: {run.path} has no ok candidate yet"
+        cand, what = best[0], f"chat engine {best[0].id[:12]} (best of {run.path}, {best[0].fitness:.1f} tokens/s)"
+    else:
+        try:
+            cand = run.store.get(elite)
+        except KeyError as exc:
+            raise ServeError(str(exc.args[0] if exc.args else exc)) from None
+        if cand is None:
+            raise EliteNotFound(f"no candidate {elite!r} in {run.path} (list some with: evo archive best {run.path})")
+        if str(cand.status) != "ok":
+            raise ServeError(f"candidate {cand.id[:12]} is {cand.status}, not ok: serve an ok elite")
+        what = f"chat engine {cand.id[:12]} of {run.path}"
+    return model, ChatEngine(**cand.genome.params), what
 
 
 def serve_gguf(path: str | Path, *, engine: ChatEngine | None = None, host: str = "127.0.0.1", port: int = 8000,

@@ -426,6 +426,36 @@ def test_an_engine_swap_under_streaming_load_fails_no_stream(tmp_path: Path) -> 
     assert after and all(text == want_new[i] for i, text in after), after
 
 
+def test_a_chat_engine_runs_winner_is_served_from_the_run(tiny_gguf: Path, tmp_path: Path) -> None:
+    """`evo serve RUN_DIR` of a chat_engine run serves the run's model on its best engine (as /ready names it)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = {"task": {"name": "chat_engine", "args": {
+                  "model": str(tiny_gguf), "threads": 1, "streams": 2, "requests": 1, "prompt_tokens": [8, 24],
+                  "max_tokens": 8, "check_texts": 1, "verified": 1}},
+              "search": {"workers": 1, "initial_random": 1, "confirm": {"repeats": 0}}, "budget": {"max_evals": 1},
+              "archive": {"descriptors": ["itl_p99_ms"], "bins": [2], "ranges": [[0, 1000]]},
+              "memory": {"enabled": False}}  # fmt: skip
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "evo", "run", str(path), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    best = subprocess.run([sys.executable, "-m", "evo", "archive", "best", str(tmp_path / "run"), "--json"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    params = json.loads(best.stdout)[0]["params"]
+    srv = start_server(tmp_path / "run")
+    try:
+        assert srv.call("GET", "/ready")[1]["engine"] == params
+        got = _client(srv).chat.completions.create(model="tiny-chat", messages=CHATS[0], max_tokens=4)
+        assert got.usage.completion_tokens == 4
+    finally:
+        stop(srv)
+
+
 def test_engine_options_are_refused_where_they_do_not_apply(tiny_gguf: Path, tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -147,3 +147,35 @@ def test_a_host_that_serves_other_tokens_or_miscounts_them_is_wrong(tiny_chat: P
         with pytest.raises(Failure) as caught:
             program._verify(Measured(load, 1.0))
         assert caught.value.status == Status.WRONG and says in str(caught.value), str(caught.value)
+
+
+def test_a_host_killed_under_load_is_a_crash_and_the_next_one_serves(tiny_chat: Path, tmp_path: Path) -> None:
+    """kill -9 of an engine's host while its load runs: the evaluation ends ``crash`` naming it, and the template
+    still serves the next engine."""
+    import os
+    import signal
+    import time
+
+    from runtime.backends.base import Failure
+    from runtime.backends.chat_engine import measure
+    from runtime.decoder.engine import ChatEngine
+    from runtime.result import Status
+
+    backend, task, ctx, _ = _backend_and_task(tiny_chat, tmp_path, streams=2, requests=8, max_tokens=200)
+    (tmp_path / "cache").mkdir()
+    host = backend.serve(task, ChatEngine(slots="numpy", threads=1), ctx)
+    killer = threading.Timer(0.5, lambda: os.kill(host.pid, signal.SIGKILL))
+    killer.start()
+    try:
+        with pytest.raises(Failure) as caught:
+            measure(host, task, set(os.sched_getaffinity(0)))
+        assert caught.value.status == Status.CRASH and "died" in str(caught.value), str(caught.value)
+        again = backend.serve(task, ChatEngine(slots="numpy", threads=1), ctx)
+        t0 = time.perf_counter()
+        assert measure(again, task, set(os.sched_getaffinity(0))).load.tokens == 2 * 8 * 200
+        assert time.perf_counter() - t0 < 120
+        backend.release(again)
+    finally:
+        killer.cancel()
+        for template in backend._templates.values():
+            template.close()
