@@ -18,7 +18,8 @@ from archive import Run, Store, StoreError
 if TYPE_CHECKING:
     from runtime.task import Task
 
-__all__ = ["ID_PATTERN", "EliteNotFound", "ServeError", "ServedRun", "candidate", "open_served", "open_store"]
+__all__ = ["ID_PATTERN", "EliteNotFound", "ServeError", "ServedRun", "candidate", "ok_candidate", "open_served",
+           "open_store"]
 
 
 class ServeError(ValueError):
@@ -132,6 +133,14 @@ def _resolve(run: Run, engine: bool, elite: str) -> tuple[str | None, str]:
     if not engine:
         raise ServeError(f"{run.path} is a {run.task_name!r} run: it holds no engine elite "
                          "(serve an engine run, or --elite best for the default configuration)")
+    cand = ok_candidate(run, elite)
+    return cand.id, f"engine elite {cand.id[:12]} of {run.path}"
+
+
+def ok_candidate(run: Run, elite: str) -> Any:
+    """The ok candidate of ``run`` whose id is ``elite`` (or a unique prefix); :class:`ServeError` otherwise."""
+    if not ID_PATTERN.match(elite):
+        raise ServeError(f"elite {elite!r} is not an id: give a hex id or prefix, 'best' or 'default'")
     try:
         cand = run.store.get(elite)
     except KeyError as exc:
@@ -140,4 +149,4 @@ def _resolve(run: Run, engine: bool, elite: str) -> tuple[str | None, str]:
         raise EliteNotFound(f"no candidate {elite!r} in {run.path} (list some with: evo archive best {run.path})")
     if str(cand.status) != "ok":
         raise ServeError(f"candidate {cand.id[:12]} is {cand.status}, not ok: serve an ok elite")
-    return cand.id, f"engine elite {cand.id[:12]} of {run.path}"
+    return cand

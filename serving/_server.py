@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from archive import FactoryDir, is_run, run_db
 from serving._runner import ServeError
-from serving._served_run import EliteNotFound, ServedRun, open_served
+from serving._served_run import ServedRun, ok_candidate, open_served
 from serving._state import Limits
 
 if TYPE_CHECKING:
@@ -107,14 +107,7 @@ def _chat_elite(run: Any, elite: str) -> tuple[Path, ChatEngine, str]:
             return model, ChatEngine(), f"the default chat engine: {run.path} has no ok candidate yet"
         cand, what = best[0], f"chat engine {best[0].id[:12]} (best of {run.path}, {best[0].fitness:.1f} tokens/s)"
     else:
-        try:
-            cand = run.store.get(elite)
-        except KeyError as exc:
-            raise ServeError(str(exc.args[0] if exc.args else exc)) from None
-        if cand is None:
-            raise EliteNotFound(f"no candidate {elite!r} in {run.path} (list some with: evo archive best {run.path})")
-        if str(cand.status) != "ok":
-            raise ServeError(f"candidate {cand.id[:12]} is {cand.status}, not ok: serve an ok elite")
+        cand = ok_candidate(run, elite)
         what = f"chat engine {cand.id[:12]} of {run.path}"
     return model, ChatEngine(**cand.genome.params), what
 
