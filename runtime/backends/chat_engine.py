@@ -92,6 +92,9 @@ def measure(host: ChatHost, task: ChatEngineTask, cores: set[int], salt: int | N
         chat(host.port, prompts[0], 4)
         load = run_load(host.port, prompts[1:], a.streams, a.max_tokens, ids=True, tick=sample)
     except LoadFailed as exc:
+        deadline = time.monotonic() + 2.0  # a killed host's streams break before its process is gone
+        while host.alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
         why = "the engine's host died" if not host.alive() else "a request failed"
         raise Failure(Status.CRASH, f"{why} under load: {exc}; its log: {host.tail(600)}") from None
     sample()
