@@ -68,13 +68,13 @@ class ChatState:
         finishes what it holds (in a thread) and stops. Returns the seconds it took. Raises
         :class:`EngineUnfit` (nothing changes then)."""
         t0 = time.perf_counter()
+        engine_threads(engine)  # before its kernels load (the old engine meanwhile gets these pools' sizes too)
         decoder = build(self.model, engine, cache_dir=self.cache_dir)
         decoder.generate("Hello", max_tokens=2, temperature=0.0)  # every kernel has run once before it serves
         scheduler = self.start(engine, decoder)
         old = self.scheduler
         self.draining.append(old)
         self.engine, self.scheduler = engine, scheduler  # a request reads the scheduler once, when it submits
-        engine_threads(engine)
 
         def drain() -> None:
             old.close()
@@ -99,8 +99,8 @@ def create_chat_app(model: DecoderModel, engine: ChatEngine | None = None, *, mo
     swaps (``POST /admin/engine``). ``cache_dir``: where the kernels compile (default ``~/.cache/evoforge/kernels``)."""
     engine = engine or ChatEngine()
     limits = limits or Limits()
+    engine_threads(engine)  # before any kernel loads: OpenMP reads its team's size once, when it starts
     decoder = build(model, engine, cache_dir=cache_dir)
-    engine_threads(engine)
     state = ChatState(model, engine, None, budgets or SchedulerConfig(), None, limits,  # type: ignore[arg-type]
                       api_key or None, model_ids, cache_dir=cache_dir)  # fmt: skip
     state.metrics = ChatMetrics(state.schedulers, state.budgets.kv_budget_bytes)

@@ -26,7 +26,7 @@ from runtime.decoder.engine import ChatEngine
 from runtime.decoder.fidelity import Floor
 from runtime.decoder.kernels import PRECISIONS, DecoderKernelError, linear_task
 from runtime.decoder.model import DecoderModel, load_decoder
-from runtime.decoder.models import model_file
+from runtime.decoder.models import MODELS, model_file
 from runtime.task import Descriptor, Task, TaskArgs
 
 __all__ = ["ChatEngineArgs", "ChatEngineTask", "runnable_precisions"]
@@ -115,7 +115,7 @@ class ChatEngineTask(Task):
         """A model given as a relative path is made absolute against ``cwd`` (workers run elsewhere)."""
         out = dict(args)
         model = str(out.get("model", "smollm2"))
-        if model not in ("smollm2", "gemma3"):
+        if model not in MODELS:
             out["model"] = os.path.join(cwd, model)
         return out
 
