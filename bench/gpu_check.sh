@@ -7,7 +7,7 @@
 #   bash bench/gpu_check.sh            # uses .venv if present (carry it), else python3
 #
 # Needs: an NVIDIA driver, the CUDA toolkit (nvcc, headers; default /usr/local/cuda), a C++ compiler,
-# Python 3.11 headers, and evoforge's own dependencies already installed (e.g. a carried .venv).
+# Python headers, and evoforge's own dependencies already installed (e.g. a carried .venv, or wheels).
 # bench/cuda_wheels holds two binary wheels (markupsafe, siphash24) for CPython 3.11 on x86_64 Linux
 # (manylinux); another Python or CPU needs those two from elsewhere.
 set -euo pipefail
@@ -22,14 +22,32 @@ echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --for
 nvcc --version | tail -1; $PY --version
 
 echo "== pycuda (offline, built against $CUDA_ROOT)"
+# WHEELS: another folder of wheels (e.g. pytools' and siphash24's for another Python). PIP_TARGET, if set,
+# is where pip installs (pip reads it itself); put it on PYTHONPATH too.
 if ! $PY -c "import pycuda.driver" 2>/dev/null; then
+  if ! $PY -c "import pytools, mako, platformdirs, siphash24" 2>/dev/null; then
+    $PY -m pip install -q --no-index --find-links bench/cuda_wheels ${WHEELS:+--find-links "$WHEELS"} \
+      pytools mako platformdirs siphash24 typing_extensions
+  fi
+  src=$(mktemp -d)/pycuda; mkdir -p "$src"
+  tar xzf bench/cuda_wheels/pycuda-*.tar.gz -C "$src" --strip-components=1
+  # curand only where the toolkit has its header; link against the driver's libcuda where no stub is.
+  curand=False; [ -f "$CUDA_ROOT/include/curand.h" ] && curand=True
+  libdirs="'$CUDA_ROOT/lib64', '$CUDA_ROOT/lib64/stubs'"
+  if [ ! -e "$CUDA_ROOT/lib64/stubs/libcuda.so" ] && [ ! -e "$CUDA_ROOT/lib64/libcuda.so" ]; then
+    drv=$(ldconfig -p | awk '/libcuda\.so\.1 / {print $NF; exit}')
+    if [ -n "$drv" ]; then mkdir -p "$src/drvlink" && ln -sf "$drv" "$src/drvlink/libcuda.so" && libdirs="$libdirs, '$src/drvlink'"; fi
+  fi
+  printf "CUDA_ROOT = '%s'\nCUDA_ENABLE_CURAND = %s\nCUDADRV_LIB_DIR = [%s]\n" "$CUDA_ROOT" "$curand" "$libdirs" > "$src/siteconf.py"
   # --no-build-isolation: the build uses this environment's setuptools and numpy (no index to fetch them).
-  $PY -m pip install --no-index --find-links bench/cuda_wheels --no-build-isolation pycuda 2>&1 | tail -3
+  PYTHONPATH="$ROOT/bench/cuda_build${PYTHONPATH:+:$PYTHONPATH}" \
+    $PY -m pip install -q --no-index --no-deps --no-build-isolation "$src" 2>&1 | tail -3
 fi
 $PY -c "import pycuda.driver as d; d.init(); print('pycuda', __import__('pycuda').VERSION_TEXT, 'sees', d.Device.count(), 'GPU(s):', d.Device(0).name())"
 
 echo "== gpu tests"
-$PY -m pytest -q -m gpu tests/runtime/cuda -rs -p no:cacheprovider 2>&1 | tail -15
+$PY -m pytest -q -m gpu tests/runtime/cuda -rfs --tb=short -p no:cacheprovider 2>&1 | tail -60 \
+  || echo "gpu tests: some failed (above)"
 
 echo "== compile-only check (ptxas figures) for the GPU's arch"
 $PY -m evo check configs/matmul_cuda.yaml --points 2 --json > "$OUT/check_matmul.json" && echo "check: ok" \
@@ -39,7 +57,7 @@ echo "== short searches"
 for cfg in matmul_cuda softmax_cuda; do
   $PY -m evo run "configs/$cfg.yaml" --run-dir "$OUT/$cfg" --max-evals "${EVALS:-40}" --max-time "${SECONDS_PER_RUN:-240}" \
     > "$OUT/$cfg.log" 2>&1 || { echo "$cfg: evo run failed, see $OUT/$cfg.log"; tail -5 "$OUT/$cfg.log"; continue; }
-  $PY -m evo archive stats "$OUT/$cfg" | head -4
+  $PY -m evo archive stats "$OUT/$cfg" | sed -n 1,4p
   $PY -m evo archive best "$OUT/$cfg" --top 3 --json | $PY -c "
 import json, sys
 for c in json.load(sys.stdin):

@@ -301,9 +301,9 @@ class Backend(abc.ABC, Generic[T]):
 
     # --- in a worker ----------------------------------------------------------------------------
 
-    def prepare_worker(self, task: T) -> None:
+    def prepare_worker(self, task: T, lock: TimingLock) -> None:
         """Runs once in a worker before it drops privileges: loads every module and file ``task``'s
-        evaluations will need (later they may not be readable)."""
+        evaluations will need, and opens any lock file beside ``lock`` (later they may not be readable)."""
 
     def sandboxed(self, task: T, ctx: WorkerContext) -> None:
         """Runs once in a worker right after it entered its sandbox, before its first evaluation (e.g. to

@@ -38,7 +38,7 @@ from runtime.result import Status
 from runtime.sandbox.host import CandidateHost, HostDied
 from runtime.settings import EvalSettings
 from runtime.task import Case, KernelTask
-from runtime.timing import pinned, time_interleaved
+from runtime.timing import TimingLock, pinned, time_interleaved
 from runtime.toolchain.cc import CompileError, CompilerNotFound, compile_source, compiler_version
 
 __all__ = ["CBackend", "CProgram", "compile_kernel", "prime_kernel_task"]
@@ -392,7 +392,7 @@ class CBackend(Backend[KernelTask]):
         except CompilerNotFound as exc:
             raise BackendUnavailable(str(exc)) from None
 
-    def prepare_worker(self, task: KernelTask) -> None:
+    def prepare_worker(self, task: KernelTask, lock: TimingLock) -> None:
         prime_kernel_task(task)
 
     def compile(self, task: KernelTask, genome: Genome, settings: EvalSettings, ctx: WorkerContext) -> Build:

@@ -53,7 +53,7 @@ from runtime.result import Status
 from runtime.sandbox.chat_host import ChatHost, ChatHostFailed, ChatTemplate, prime_chat_host
 from runtime.sandbox.hosted_engine import pin, process_tree
 from runtime.settings import EvalSettings
-from runtime.timing import pinned
+from runtime.timing import TimingLock, pinned
 from runtime.toolchain.cc import CompileError, CompilerNotFound, compiler_version
 
 __all__ = ["ChatEngineBackend", "ChatEngineProgram", "Measured"]
@@ -279,7 +279,7 @@ class ChatEngineBackend(Backend[ChatEngineTask]):
                                      f"({exc.name} is missing): pip install -c constraints.txt -e "
                                      "'.[serve,decoder]'") from None  # fmt: skip
 
-    def prepare_worker(self, task: ChatEngineTask) -> None:
+    def prepare_worker(self, task: ChatEngineTask, lock: TimingLock) -> None:
         """Loads the model and the held-out texts, and whatever a host serves with (see
         :func:`runtime.sandbox.chat_host.prime_chat_host`)."""
         task.model()

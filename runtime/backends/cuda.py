@@ -55,7 +55,7 @@ from runtime.result import Status
 from runtime.sandbox.host import HostDied
 from runtime.settings import EvalSettings
 from runtime.task import Case
-from runtime.timing import time_interleaved
+from runtime.timing import TimingLock, time_interleaved
 from runtime.toolchain.cc import CompileError
 from runtime.toolchain.cuda_device import CudaUnavailable, Device, DeviceBuffer, host_time, open_device
 from runtime.toolchain.cuda_launch import ArchLimits, Launch, LaunchError, arch_limits, occupancy, validate_launch
@@ -119,8 +119,9 @@ class CudaProgram(Program):
     """A cubin loaded in its host, and the buffers (in the host's context) of the case being checked or timed."""
 
     def __init__(self, task: CudaTask, dev: Device, host: CudaHost, build: Build, settings: EvalSettings,
-                 fill: _WorkerFill) -> None:  # fmt: skip
+                 fill: _WorkerFill, lock: TimingLock) -> None:  # fmt: skip
         self.task, self.dev, self.host, self.settings, self.fill = task, dev, host, settings, fill
+        self.lock = lock  # this GPU's timing lock
         self.params = build.genome.params
         cubin: _Cubin = build.artifact
         self.limits, self.info = arch_limits(cubin.arch), cubin.built.info
@@ -250,7 +251,7 @@ class CudaProgram(Program):
 
         fresh_inputs()
         try:
-            with dev.lock(settings.timing.lock_file).held() as waited:
+            with self.lock.held() as waited:
                 timed = time_interleaved(call, ref_call, settings.timing, before=lambda: self._poison(inst),
                                          timer=timer, round_start=fresh_inputs, round_end=check_round)  # fmt: skip
         finally:
@@ -305,11 +306,13 @@ class CudaBackend(Backend[CudaTask]):
         self._launcher: CudaHostLauncher | None = None
         self._fill: _WorkerFill | None = None
 
-    def prepare_worker(self, task: CudaTask) -> None:
-        """Opens the GPU (context, driver libraries) and loads the reference library, then the task's paths."""
+    def prepare_worker(self, task: CudaTask, lock: TimingLock) -> None:
+        """Opens the GPU (context, driver libraries) and its timing lock beside the worker's (the lock file's
+        folder may be closed to the worker once it dropped privileges), loads the reference library, then
+        the task's paths."""
         from runtime.toolchain.cuda_reference import preload
 
-        open_device()
+        open_device().lock(lock.path)
         if task.gpu_reference:
             preload(task.gpu_reference)
         prime_kernel_task(task)
@@ -372,4 +375,5 @@ class CudaBackend(Backend[CudaTask]):
             raise Failure(Status.COMPILE_ERROR, f"{exc.stderr} ({cubin.arch})") from None
         except HostDied as exc:
             raise Failure(Status.CRASH, f"{exc} while its cubin was loaded") from None
-        return CudaProgram(task, dev, host, build, settings, fill)
+        assert ctx.lock is not None, "candidates run in a worker, which holds the timing lock"
+        return CudaProgram(task, dev, host, build, settings, fill, dev.lock(ctx.lock.path))

@@ -62,7 +62,7 @@ from runtime.sandbox.hosted_engine import (
     statm_mb,
 )
 from runtime.settings import EvalSettings
-from runtime.timing import pinned
+from runtime.timing import TimingLock, pinned
 from runtime.toolchain.cc import CompileError, CompilerNotFound, compiler_version
 
 __all__ = ["EngineBackend", "EngineProgram", "Loaded", "measure"]
@@ -373,7 +373,7 @@ class EngineBackend(Backend[EngineTask]):
         except CompilerNotFound as exc:
             raise BackendUnavailable(str(exc)) from None
 
-    def prepare_worker(self, task: EngineTask) -> None:
+    def prepare_worker(self, task: EngineTask, lock: TimingLock) -> None:
         """Loads the task's model, texts and kernel sources, and makes one round trip through a process
         worker, so that the hosts' forked workers and their loop have what they import."""
         from runtime.sandbox.engine_host import prime_engine_process

@@ -188,6 +188,10 @@ int main(int argc, char **argv) {
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* reset by exec: no process of this user may read us */
     prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
     if (getppid() == 1) return 0;
+    struct rlimit fsize; /* the worker's hard file-size limit leaves room for its shared buffers; ours is the soft one */
+    if (getrlimit(RLIMIT_FSIZE, &fsize) != 0) return 71;
+    fsize.rlim_max = fsize.rlim_cur;
+    if (setrlimit(RLIMIT_FSIZE, &fsize) != 0) return 71;
     int threads = atoi(argv[2]);
     long cpu = atol(argv[3]);
     if (cpu > 0) {

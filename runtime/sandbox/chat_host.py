@@ -30,6 +30,7 @@ from typing import Any
 
 from runtime.decoder.engine import ChatEngine
 from runtime.decoder.model import DecoderModel
+from runtime.sandbox.limits import lock_file_size
 
 __all__ = ["ChatHost", "ChatHostFailed", "ChatTemplate", "prime_chat_host"]
 
@@ -142,6 +143,7 @@ def _template(sock: socket.socket, model: DecoderModel, model_id: str, cache_dir
         if pid == 0:  # a host
             code = 1
             try:
+                lock_file_size()
                 sock.close()
                 _host(listener, model, model_id, order, cache_dir, log)
                 code = 0

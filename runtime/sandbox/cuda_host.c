@@ -294,6 +294,10 @@ int main(int argc, char **argv) {
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
     if (getppid() == 1) return 0;
+    struct rlimit fsize; /* the worker's hard file-size limit leaves room for its shared buffers; ours is the soft one */
+    if (getrlimit(RLIMIT_FSIZE, &fsize) != 0) return 71;
+    fsize.rlim_max = fsize.rlim_cur;
+    if (setrlimit(RLIMIT_FSIZE, &fsize) != 0) return 71;
     long cpu = atol(argv[2]);
     if (cpu > 0) {
         struct rlimit r;

@@ -46,6 +46,7 @@ from runtime.engine.profile import time_forward
 from runtime.sandbox.engine_wire import decode_batch, encode_result, read_frame, write_frame
 from runtime.sandbox.filters import compiled_filters, load_filter
 from runtime.sandbox.landlock import SYSTEM_ROOTS, confine_files
+from runtime.sandbox.limits import lock_file_size
 
 if TYPE_CHECKING:
     from runtime.engine.engine import Engine
@@ -229,6 +230,7 @@ def template_main(sock: socket.socket, model: Model, parent: int, keep: set[int]
         pid = os.fork()
         if pid == 0:
             try:
+                lock_file_size()
                 _print_to(output)
                 if req.get("cpu_seconds"):
                     resource.setrlimit(resource.RLIMIT_CPU, (int(req["cpu_seconds"]),) * 2)

@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from runtime.sandbox.limits import file_room
+
 __all__ = ["SEALS", "CandidateHost", "HostDied", "encode_args", "forward_output", "reap_killed_hosts",
            "start_host_process"]  # fmt: skip
 
@@ -168,7 +170,8 @@ class CandidateHost:
     def _map(self, nbytes: int) -> None:
         fd = os.memfd_create("evoforge-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, nbytes)
+            with file_room(nbytes):
+                os.ftruncate(fd, nbytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # the host cannot shrink it under the worker (SIGBUS)
             mm = mmap.mmap(fd, nbytes)
             buf_id = len(self._arenas) + 1

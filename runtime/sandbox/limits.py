@@ -16,7 +16,7 @@ import importlib
 import os
 import pwd
 import resource
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from runtime.settings import SandboxSettings
 
@@ -115,8 +115,10 @@ def enter_sandbox(limits: SandboxSettings, ids: tuple[int, int] | None, *, cpu_l
     mem = limits.memory_mb * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
+    # Buffers shared with candidate hosts are memfd files, which RLIMIT_AS bounds already: the hard limit leaves
+    # them that room (file_room), and every candidate host lowers its hard limit to the soft one as it starts.
     fsize = limits.max_file_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, max(fsize, mem)))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     # NPROC counts every thread of the (real) user: allow max_processes more than it runs now.
     uid = ids[0] if ids else os.getuid()
@@ -147,3 +149,24 @@ _PR_SET_DUMPABLE = 4
 def make_undumpable() -> None:
     """No process of the same user may read this one's memory or trace it from now on."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+@contextlib.contextmanager
+def file_room(nbytes: int) -> Iterator[None]:
+    """Lets this process (a worker) make a file of ``nbytes`` (a buffer it shares with a host) where its hard
+    file-size limit allows, and puts the soft limit back afterwards."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft == resource.RLIM_INFINITY or nbytes <= soft:
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard if hard == resource.RLIM_INFINITY else min(hard, nbytes), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def lock_file_size() -> None:
+    """Makes the soft file-size limit hard, for good: a candidate host (forked from a worker) calls it first."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, soft))

@@ -64,18 +64,18 @@ def _prepare(init: dict[str, Any], tasks: _Tasks) -> WorkerContext:
     profile: WorkerProfile = init["profile"]
     _add_paths(profile.sys_path)
     preload_modules(("runtime.sandbox.c_host",))  # what starts candidates' hosts, first used after the drop
+    lock = TimingLock(profile.lock_file)
     prepared = []
     for spec in profile.preload:
         try:
             task = tasks.get(spec)
-            backend_for(task).prepare_worker(task)
+            backend_for(task).prepare_worker(task, lock)
             prepared.append(task)
         except Exception:  # noqa: BLE001 - reported when a request needs it
             traceback.print_exc()
     hardware = fingerprint(profile.cc)
     # The cache is reached through this descriptor: its path may not be searchable after the drop.
     cache_fd = os.open(profile.cache_dir, os.O_RDONLY | os.O_DIRECTORY)
-    lock = TimingLock(profile.lock_file)
     parent = os.getppid()
     enter_sandbox(profile.limits, init["ids"])
     make_undumpable()  # candidate hosts run as this user: none may read this process's memory

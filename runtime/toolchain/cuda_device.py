@@ -7,6 +7,8 @@ ctypes, so the controller can say why there is no GPU without importing pycuda a
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import glob
 import os
@@ -188,6 +190,8 @@ class Device:
         self.dev = drv.Device(0)
         self.context = self.dev.retain_primary_context()
         self.context.push()
+        # pycuda aborts the interpreter at exit if a context is still pushed (a controller that asked the GPU).
+        atexit.register(self._pop)
         major, minor = self.dev.compute_capability()
         self.arch = f"sm_{major}{minor}"
         self.name = self.dev.name()
@@ -196,6 +200,10 @@ class Device:
         self._locks: dict[str, TimingLock] = {}
         self._flush: DeviceBuffer | None = None
         self._events = (drv.Event(), drv.Event())
+
+    def _pop(self) -> None:
+        with contextlib.suppress(Exception):  # the driver may be gone already
+            _drv().Context.pop()
 
     def info(self) -> dict[str, Any]:
         return {

@@ -73,7 +73,8 @@ def test_a_task_that_names_no_backend_is_refused(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(TaskLoadError, match="names no backend: subclass runtime.KernelTask"):
         load_task_class("no_backend_task:T")
-    with pytest.raises(TaskLoadError, match="unknown backend 'fpga': use one of c, chat_engine, cuda, engine or 'module:Class'"):
+    known = "use one of c, chat_engine, cuda, engine or 'module:Class'"
+    with pytest.raises(TaskLoadError, match=f"unknown backend 'fpga': {known}"):
         load_task_class("odd_backend_task:U")
 
 

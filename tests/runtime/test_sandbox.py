@@ -6,10 +6,11 @@ import os
 import time
 
 import pytest
-from runtime_helpers import CORRECT, kernel, make_settings, request, run
+from runtime_helpers import CORRECT, VECADD, kernel, make_settings, request, run
 
 from runtime.result import Status
 from runtime.sandbox.processes import group_members
+from runtime.settings import TaskSpec
 
 
 @pytest.fixture
@@ -48,6 +49,20 @@ def test_huge_allocation_fails_inside_the_sandbox(pool, workdir, still_serving):
     # RLIMIT_AS makes malloc fail: writing through NULL segfaults; never the OOM killer (SIGKILL).
     assert r.status in (Status.CRASH, Status.WRONG, Status.INVALID), r
     assert "SIGKILL" not in (r.error or "")
+
+
+def test_buffers_larger_than_the_file_size_limit_are_shared_and_the_host_cannot_raise_its_limit(
+    pool, workdir, still_serving
+):
+    # 2 MiB per buffer over a 1 MiB file-size limit: the worker shares them anyway (they are memory, bounded by
+    # RLIMIT_AS), while the candidate's own hard limit is its soft one, so it cannot write a bigger file.
+    settings = make_settings(workdir, max_file_mb=1)
+    big = TaskSpec(name=VECADD.name, args={"n": 1 << 19})
+    body = ("struct rlimit r; getrlimit(RLIMIT_FSIZE, &r);\n"
+            "float bad = r.rlim_max > ((rlim_t)1 << 20) ? 1000.0f : 0.0f;\n"
+            "for (int i = 0; i < n; i++) y[i] = a * x[i] + b + bad;")  # fmt: skip
+    r = run(pool, request(workdir, kernel(body, "#include <sys/resource.h>"), settings=settings, task=big))
+    assert r.status is Status.OK, r.error
 
 
 @pytest.mark.slow

@@ -132,7 +132,8 @@ def test_logprobs_give_each_token_its_id_bytes_and_log_probability(server: Serve
     assert ids == want.token_ids
     status, body, _ = server.call("POST", CHAT, {"messages": USER, "top_logprobs": 2})
     assert status == 400 and body["error"]["param"] == "top_logprobs"
-    assert client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=2).choices[0].logprobs is None
+    plain = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None
 
 
 def test_sixteen_concurrent_streams_each_get_their_tokens_alone(server: Server, decoder) -> None:
@@ -464,15 +465,19 @@ def test_engine_options_are_refused_where_they_do_not_apply(tiny_gguf: Path, tmp
         return subprocess.run([sys.executable, "-m", "evo", "serve", *args], capture_output=True, text=True,
                               timeout=120)  # fmt: skip
 
-    for args, says in ((("--gguf", str(tiny_gguf), "--elite", "best"), "--elite does not apply to a chat model"),
-                       ((str(tmp_path), "--linear", "int8"), "--linear applies to --gguf only"),
-                       (("--gguf", str(tiny_gguf), "--linear", "int4"), "no precision 'int4'"),
-                       (("--gguf", str(tiny_gguf), "--linear", "int8:head=fp32"), "'head=fp32' in 'int8:head=fp32'"),
-                       ((str(tmp_path), "--slots", "numpy"), "--slots applies to --gguf only"),
-                       ((str(tmp_path), "--kv-dtype", "f16"), "--kv-dtype applies to --gguf only"),
-                       (("--gguf", str(tiny_gguf), "--threads", "0"), "0 is not in the range"),
-                       (("--gguf", str(tiny_gguf), "--threads", "4096"), "--threads 4096: Input should be less than or equal to 1024"),
-                       (("--gguf", str(tiny_gguf), "--threads", "512"), "--threads 512: this process has")):  # fmt: skip
+    gguf = ("--gguf", str(tiny_gguf))
+    refused = [
+        ((*gguf, "--elite", "best"), "--elite does not apply to a chat model"),
+        ((str(tmp_path), "--linear", "int8"), "--linear applies to --gguf only"),
+        ((*gguf, "--linear", "int4"), "no precision 'int4'"),
+        ((*gguf, "--linear", "int8:head=fp32"), "'head=fp32' in 'int8:head=fp32'"),
+        ((str(tmp_path), "--slots", "numpy"), "--slots applies to --gguf only"),
+        ((str(tmp_path), "--kv-dtype", "f16"), "--kv-dtype applies to --gguf only"),
+        ((*gguf, "--threads", "0"), "0 is not in the range"),
+        ((*gguf, "--threads", "4096"), "--threads 4096: Input should be less than or equal to 1024"),
+        ((*gguf, "--threads", "512"), "--threads 512: this process has"),
+    ]
+    for args, says in refused:
         done = evo(*args)
         assert done.returncode == 2 and says in done.stderr, (args, done.stderr)
         assert "Traceback" not in done.stderr

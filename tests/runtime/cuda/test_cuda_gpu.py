@@ -101,7 +101,9 @@ def test_a_faulting_kernel_crashes_its_host_and_the_next_candidate_runs(gpu_pool
 
 
 def test_an_unrunnable_launch_is_invalid(gpu_pool):
-    point = {**MatmulCuda({}).seeds()[1].params, "THREAD_M": 1, "THREAD_N": 1}  # 4096 threads per block
+    # 2048 threads per block; the tiles still split evenly over them, so it compiles.
+    point = {**MatmulCuda({}).seeds()[1].params, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "THREAD_M": 2,
+             "THREAD_N": 2, "VEC": 1}  # fmt: skip
     result = _run(gpu_pool, SMALL_MM, Genome(params=point))
     assert result.status is Status.INVALID and "exceeds the maximum 1024" in result.error
 
@@ -120,15 +122,20 @@ __device__ float saved[1 << 20];
 __device__ int have[1 << 20];
 extern "C" __global__ void kernel(int M, int N, int K, const in_t *A, const in_t *B, float *C)
 {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= M * N || i >= (1 << 20)) return;
+    // Every thread of the launch, whatever its shape, strides over all of C.
+    int per_block = blockDim.x * blockDim.y * blockDim.z;
+    int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    int t = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+    int stride = per_block * gridDim.x * gridDim.y * gridDim.z;
     int remember = M * N > 100000;
-    if (remember && have[i]) { C[i] = saved[i]; return; }
-    int r = i / N, c = i % N;
-    float s = 0.0f;
-    for (int k = 0; k < K; k++) s += A[r * K + k] * B[k * N + c];
-    C[i] = s;
-    if (remember) { saved[i] = s; have[i] = 1; }
+    for (int i = block * per_block + t; i < M * N && i < (1 << 20); i += stride) {
+        if (remember && have[i]) { C[i] = saved[i]; continue; }
+        int r = i / N, c = i % N;
+        float s = 0.0f;
+        for (int k = 0; k < K; k++) s += A[r * K + k] * B[k * N + c];
+        C[i] = s;
+        if (remember) { saved[i] = s; have[i] = 1; }
+    }
 }
 """
 
