@@ -9,7 +9,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from genome._expr import Expression, ExpressionError
-from genome._params import ChoiceParam, Param, Scalar
+from genome._params import ChoiceParam, FloatParam, IntParam, Param, Scalar
 
 __all__ = ["ParamSpace", "SpaceError", "SpaceSpec"]
 
@@ -73,6 +73,20 @@ class ParamSpace:
             "params": {n: d.model_dump(by_alias=True) for n, d in self.params.items()},
             "constraints": [c.text for c in self.constraints],
         }
+
+    def json_schema(self, *, max_enum: int = 256) -> dict[str, Any]:
+        """A JSON schema of one point of this space: every parameter, in order, each within its domain (a discrete
+        domain of up to ``max_enum`` members as their list). The constraints are not in it: a point still has to
+        hold them."""
+        props: dict[str, Any] = {}
+        for name, d in self.params.items():
+            if isinstance(d, FloatParam):
+                props[name] = {"type": "number", "minimum": d.low, "maximum": d.high}
+            elif isinstance(d, IntParam) and (d.high - d.low) // d.step >= max_enum:
+                props[name] = {"type": "integer", "minimum": d.low, "maximum": d.high}
+            else:
+                props[name] = {"enum": list(d.values())}
+        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
     def __len__(self) -> int:
         return len(self.params)

@@ -9,18 +9,20 @@ generation (its KV cache is freed); so does the client of a whole one that hangs
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.decoder import ChatTemplateError, ContextFull, DoesNotFit, QueueFull, SamplingParams, SchedulerClosed
+from runtime.decoder.grammar import Grammar, GrammarError, json_schema_grammar
 from serving._errors import APIError, errors
 from serving._http import hung_up
 
@@ -92,6 +94,42 @@ class ChatCompletionRequest(_GenerationRequest):
                            "its bytes and, as llama.cpp's server gives it, its id")  # fmt: skip
     top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the likeliest tokens at each "
                                      "position too")  # fmt: skip
+    response_format: ResponseFormat | None = Field(None, description="structured output, enforced token by token: "
+                                                   "the answer is JSON of the format, ended by the model's end token "
+                                                   "(or cut at max_tokens)")  # fmt: skip
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="the format's name")
+    description: str | None = Field(None, description="accepted and not shown to the model")
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema the answer follows (its properties "
+                                    "in the order given)")  # fmt: skip
+    strict: bool | None = Field(None, description="accepted: the schema is always enforced")
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["json_object"] = Field(description="a JSON object whose values are strings, numbers, booleans, "
+                                         "null or arrays of them (a json_schema states deeper objects)")  # fmt: skip
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
 class CompletionRequest(_GenerationRequest):
@@ -247,8 +285,8 @@ def _submit(state: ChatState, ids: list[int], params: SamplingParams) -> Generat
                 raise
 
 
-async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, max_tokens: int | None,
-                    *, chat: bool, logprobs: int | None = None) -> Response:  # fmt: skip
+async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, max_tokens: int | None, *,
+                    chat: bool, logprobs: int | None = None, grammar: Grammar | None = None) -> Response:  # fmt: skip
     state: ChatState = request.app.state.serving
     arrived = time.perf_counter()
     where = "messages" if chat else "prompt"
@@ -272,7 +310,7 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, 
     try:
         params = SamplingParams(max_tokens=max_tokens or max(1, context - len(ids)), temperature=body.temperature,
                                 top_p=body.top_p, seed=body.seed, stop=tuple(stop),
-                                ignore_eos=body.ignore_eos, logprobs=logprobs)  # fmt: skip
+                                ignore_eos=body.ignore_eos, logprobs=logprobs, grammar=grammar)  # fmt: skip
         gen = _submit(state, ids, params)
     except ContextFull as exc:
         raise APIError(400, f"{exc}: shorten the prompt", param=where, code="context_length_exceeded") from None
@@ -303,8 +341,34 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    if body.ignore_eos and not isinstance(body.response_format, TextFormat | None):
+        raise APIError(400, "ignore_eos with a structured response_format: a structured answer ends at the model's "
+                       "end token", param="response_format")  # fmt: skip
+    grammar = await _grammar(request.app.state.serving, body.response_format)
     return await _generate(request, body, messages, body.max_completion_tokens or body.max_tokens, chat=True,
-                           logprobs=(body.top_logprobs or 0) if body.logprobs else None)  # fmt: skip
+                           logprobs=(body.top_logprobs or 0) if body.logprobs else None, grammar=grammar)  # fmt: skip
+
+
+_COMPILE_WAIT_S = 60.0
+"""How long a request waits for its schema to compile (one at a time, server-wide) before it gets 503."""
+_COMPILER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="evoforge-grammar")
+
+
+async def _grammar(state: ChatState, fmt: TextFormat | JsonObjectFormat | JsonSchemaFormat | None) -> Grammar | None:
+    """The compiled grammar of a structured ``response_format`` (None for text). Schemas compile one at a time, so
+    requests with new schemas cannot take every core from generation."""
+    if fmt is None or isinstance(fmt, TextFormat):
+        return None
+    schema = fmt.json_schema.schema_ if isinstance(fmt, JsonSchemaFormat) else None
+    work = asyncio.get_running_loop().run_in_executor(
+        _COMPILER, json_schema_grammar, state.scheduler.decoder.tokenizer, schema)
+    try:
+        return await asyncio.wait_for(asyncio.shield(work), _COMPILE_WAIT_S)
+    except GrammarError as exc:
+        raise APIError(400, f"response_format: {exc}", param="response_format") from None
+    except TimeoutError:
+        raise APIError(503, f"response_format: the schema did not compile within {_COMPILE_WAIT_S:g} s (it goes on "
+                       "compiling; the same schema is ready later)", code="schema_compiling") from None
 
 
 @router.post("/v1/completions", responses={200: {"content": _STREAMED}, **errors(*_STATUSES)})

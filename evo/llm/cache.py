@@ -22,10 +22,12 @@ __all__ = ["ResponseCache", "prompt_hash"]
 
 
 def prompt_hash(model: str, messages: list[dict[str, Any]], *, temperature: float, max_tokens: int,
-                tools: list[dict[str, Any]] | None = None) -> str:
+                tools: list[dict[str, Any]] | None = None, response_format: dict[str, Any] | None = None) -> str:
     """sha256 of what determines an answer (the endpoint's URL is not part of it: a moved server still hits)."""
     doc = {"model": model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens,
            "tools": tools or []}
+    if response_format is not None:  # absent otherwise: answers stored before it existed keep their keys
+        doc["response_format"] = response_format
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

@@ -66,6 +66,7 @@ class LLMClient:
         self._down = False  # told the run it is down (told again only once it came back)
         self._client: Any = None
         self._client_key: str | None = None
+        self._formats_refused = False  # the endpoint answered 400 to a response_format (structured_output: auto)
 
     # --- the breaker ----------------------------------------------------------------------------
 
@@ -94,19 +95,31 @@ class LLMClient:
 
     # --- a call ---------------------------------------------------------------------------------
 
-    def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> Answer:
-        """One answer within ``settings.timeout`` seconds, retries included; :class:`LLMUnavailable` if none."""
+    def response_format(self, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The ``response_format`` that asks this endpoint for JSON of ``schema``, or None where it is not asked
+        (no schema, ``structured_output: off``, or an endpoint that refused one under ``auto``)."""
+        mode = self.settings.structured_output
+        if schema is None or mode == "off" or (mode == "auto" and self._formats_refused):
+            return None
+        return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+    def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+             response_format: dict[str, Any] | None = None) -> Answer:
+        """One answer within ``settings.timeout`` seconds, retries included; :class:`LLMUnavailable` if none.
+        Under ``structured_output: auto``, an endpoint that answers a ``response_format`` with 400 is asked again
+        without it, and from then on never with one."""
         if not self.available():
             raise LLMUnavailable(f"{self.name} is resting after failures")
         try:
-            answer = self._chat(messages, tools)
+            answer = self._chat(messages, tools, response_format)
         except LLMUnavailable as exc:
             self._failed(str(exc))
             raise
         self._succeeded()
         return answer
 
-    def _chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Answer:
+    def _chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+              response_format: dict[str, Any] | None) -> Answer:  # fmt: skip
         import openai  # the optional extra "llm"
 
         s = self.settings
@@ -124,6 +137,8 @@ class LLMClient:
                                       "max_tokens": s.max_tokens, "timeout": left}
                 if tools:
                     kw["tools"] = tools
+                if response_format is not None:
+                    kw["response_format"] = response_format
                 try:
                     resp = self._openai().chat.completions.create(**kw)
                     return _answer(resp, time.monotonic() - t0)
@@ -135,6 +150,12 @@ class LLMClient:
                         raise LLMUnavailable(why) from None
                     self._closing.wait(wait)
                     attempt += 1
+                except openai.BadRequestError as exc:
+                    if response_format is None or s.structured_output != "auto":
+                        raise LLMUnavailable(_describe(exc)) from None
+                    self._formats_refused, response_format = True, None
+                    self._note(f"llm: model {self.name} at {s.base_url} refused a response_format ({_describe(exc)}): "
+                               "JSON is asked for in the prompt alone from now on")  # fmt: skip
                 except openai.APIStatusError as exc:  # 4xx other than 429: retrying will not help
                     raise LLMUnavailable(_describe(exc)) from None
                 except (openai.OpenAIError, ValueError, TypeError) as exc:  # an answer we cannot read

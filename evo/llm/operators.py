@@ -57,6 +57,10 @@ class LLMOperator(Operator):
     def extra_fields(self, ctx: ProposalContext) -> dict[str, str]:
         return {}
 
+    def schema(self, ctx: ProposalContext) -> dict[str, Any] | None:
+        """The JSON schema of an answer, where the answer is JSON (sent to endpoints that enforce one)."""
+        return None
+
     def first_messages(self, ctx: ProposalContext) -> list[dict[str, Any]]:
         assert ctx.task is not None
         user = render_prompt(self.book, self.kind, task=ctx.task, hardware=self.hardware, parent=ctx.parents[0],
@@ -71,7 +75,7 @@ class LLMOperator(Operator):
         child: Genome | None = None
         tries = 2 if self.session.settings.retry_rejected else 1
         for attempt in range(tries):
-            draft = self.session.ask(messages, ctx.rng)
+            draft = self.session.ask(messages, ctx.rng, schema=self.schema(ctx))
             drafts.append(draft)
             if draft.answer is None:
                 break
@@ -138,6 +142,9 @@ class LLMParams(LLMOperator):
 
     def extra_fields(self, ctx: ProposalContext) -> dict[str, str]:
         return {"space": space_text(ctx.space)}
+
+    def schema(self, ctx: ProposalContext) -> dict[str, Any] | None:
+        return ctx.space.json_schema() if ctx.space.params else None
 
     def read(self, text: str, parent: Candidate, ctx: ProposalContext) -> Genome:
         return params_child(extract_json(text), parent, ctx.space)

@@ -82,13 +82,16 @@ class LLMSession:
         return budget is not None and self.tokens_used >= budget
 
     def ask(self, messages: list[dict[str, Any]], rng: np.random.Generator,
-            tools: list[dict[str, Any]] | None = None) -> Draft:
-        """One answer for ``messages`` (``draft.answer`` is ``None`` with ``draft.reason`` when there is none)."""
+            tools: list[dict[str, Any]] | None = None, schema: dict[str, Any] | None = None) -> Draft:
+        """One answer for ``messages`` (``draft.answer`` is ``None`` with ``draft.reason`` when there is none);
+        ``schema``: the JSON schema a JSON answer follows, sent where the model's endpoint enforces one."""
         live = [c for c in self.clients if c.available()] or self.clients
         weights = np.array([c.settings.weight for c in live], dtype=float)
         client = live[int(rng.choice(len(live), p=weights / weights.sum()))]
         s = client.settings
-        key = prompt_hash(s.model, messages, temperature=s.temperature, max_tokens=s.max_tokens, tools=tools)
+        response_format = client.response_format(schema)
+        key = prompt_hash(s.model, messages, temperature=s.temperature, max_tokens=s.max_tokens, tools=tools,
+                          response_format=response_format)  # fmt: skip
         slot, cached = self.cache.claim(key)
         draft = Draft(model=s.model, prompt_hash=key, slot=slot)
         if cached is not None:
@@ -99,7 +102,7 @@ class LLMSession:
             self.note_once("budget", f"llm: token budget of {self.settings.token_budget} spent: LLM operators stop")
             return draft
         try:
-            answer = client.chat(messages, tools=tools)
+            answer = client.chat(messages, tools=tools, response_format=response_format)
         except LLMUnavailable as exc:
             draft.reason = str(exc)
             return draft

@@ -6,6 +6,7 @@ Secrets never live here: ``api_key_env`` names an environment variable that is r
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +30,9 @@ class ModelSettings(_Model):
     max_tokens: int = Field(4096, ge=16, description="most tokens one answer may have")
     timeout: float = Field(120.0, gt=0, description="seconds one call may take, retries and backoff included")
     max_concurrency: int = Field(2, ge=1, description="calls in flight to this model at once")
+    structured_output: Literal["auto", "on", "off"] = Field(
+        "auto", description="ask for JSON answers (llm_params) with a response_format JSON schema the endpoint "
+        "enforces: auto sends it until the endpoint refuses one, then asks in the prompt alone; on always; off never")
 
 
 class PromptSettings(_Model):

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.decoder.grammar import GrammarState
 from runtime.decoder.model import ContextFull, DecoderModel, KVCache, load_decoder
 from runtime.decoder.ops import DecoderOps
 from runtime.decoder.sampling import SamplingParams, sample
@@ -56,6 +57,7 @@ class _Sequence:
     rng: np.random.Generator
     cache: KVCache
     stream: TextStream
+    grammar: GrammarState | None = None
 
 
 class Decoder:
@@ -101,14 +103,15 @@ class Decoder:
             ids = self.encode_prompt(prompt)
             check_prompt(ids, context)
             stream = TextStream(self.tokenizer, p, prompt_tokens=len(ids), context=context)
-            seqs.append(_Sequence(ids, p, p.rng(), self.model.new_cache(len(ids) + min(p.max_tokens, 256)), stream))
+            seqs.append(_Sequence(ids, p, p.rng(), self.model.new_cache(len(ids) + min(p.max_tokens, 256)), stream,
+                                  p.grammar.start() if p.grammar is not None else None))
         if not seqs:
             return []
         logits = self.model.forward([s.prompt for s in seqs], [s.cache for s in seqs], self.ops)
         active = seqs
         while True:
             for s, row in zip(active, logits, strict=True):
-                s.stream.push(sample(row, s.params, s.rng, self.tokenizer.end_ids))
+                s.stream.push(sample(row, s.params, s.rng, self.tokenizer.end_ids, s.grammar))
             active = [s for s in active if s.stream.finish is None]
             if not active:
                 break

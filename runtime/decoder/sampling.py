@@ -1,6 +1,7 @@
 """Choosing the next token from the logits: greedy, or sampled with temperature, top-k and top-p.
 
-The sampled path applies, in this order, the temperature (logits divided by it), top-k (only the ``k``
+A request with a grammar (structured output) first loses every token its grammar does not allow next. The
+sampled path then applies, in this order, the temperature (logits divided by it), top-k (only the ``k``
 likeliest tokens stay), top-p (only the likeliest tokens whose probabilities sum to at least ``p`` stay,
 at least one), then draws from the softmax of what is left with the request's own
 ``numpy.random.Generator``, so a seeded request draws the same tokens whatever else runs beside it.
@@ -9,8 +10,12 @@ at least one), then draws from the softmax of what is left with the request's ow
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from runtime.decoder.grammar import Grammar, GrammarState
 
 __all__ = ["SamplingParams", "sample", "token_logprobs"]
 
@@ -30,6 +35,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest tokens'
+    grammar: Grammar | None = None  # structured output: only text of this grammar is sampled
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # one stop string given bare
@@ -45,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"top_p is {self.top_p}: use a probability in (0, 1]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs is {self.logprobs}: use 0 (the chosen token's) to 20 likeliest")
+        if self.grammar is not None and self.ignore_eos:
+            raise ValueError("ignore_eos with a response format: a structured answer ends at its end token")
         if any(not s for s in self.stop):
             raise ValueError("an empty stop string: every stop string needs at least one character")
 
@@ -58,9 +66,20 @@ class SamplingParams:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-           end_ids: frozenset[int] | set[int] = frozenset()) -> int:  # fmt: skip
+           end_ids: frozenset[int] | set[int] = frozenset(), grammar: GrammarState | None = None) -> int:  # fmt: skip
     """The next token id from ``logits`` ``[vocab]`` under ``params`` (``end_ids``: the model's end tokens, which
-    ``ignore_eos`` rules out; ``logits`` is then changed in place)."""
+    ``ignore_eos`` rules out; ``grammar``: where the request's structured answer stands, moved past the token;
+    ``logits`` may be changed in place)."""
+    if grammar is None:
+        return _choose(logits, params, rng, end_ids)
+    grammar.mask(logits)
+    token = _choose(logits, params, rng, end_ids)
+    grammar.advance(token)
+    return token
+
+
+def _choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+            end_ids: frozenset[int] | set[int]) -> int:  # fmt: skip
     if params.ignore_eos and end_ids:
         logits[list(end_ids)] = -np.inf
     if params.greedy:

@@ -29,6 +29,7 @@ import numpy as np
 from runtime.decoder.channel import Channel
 from runtime.decoder.generate import Completion, Decoder, check_prompt
 from runtime.decoder.gguf_file import DecoderConfig
+from runtime.decoder.grammar import GrammarState
 from runtime.decoder.model import KVCache
 from runtime.decoder.sampling import SamplingParams, sample, token_logprobs
 from runtime.decoder.stream import FinishReason, TextStream
@@ -137,6 +138,7 @@ class _Seq:
     cache: KVCache | None = None
     done: int = 0  # prompt tokens in the cache
     cancelled: bool = False
+    grammar: GrammarState | None = None  # where its structured answer stands
 
 
 class Scheduler:
@@ -200,7 +202,8 @@ class Scheduler:
                              f"{budget / 2**20:.1f} MiB: ask for fewer tokens, or raise the budget")  # fmt: skip
         gen = Generation(self, len(ids))
         stream = TextStream(self.decoder.tokenizer, params, prompt_tokens=len(ids), context=context)
-        seq = _Seq(gen, ids, params, params.rng(), stream, need, positions)
+        seq = _Seq(gen, ids, params, params.rng(), stream, need, positions,
+                   grammar=params.grammar.start() if params.grammar is not None else None)
         with self._cond:
             if self._closed:
                 raise SchedulerClosed("the engine is shutting down: it takes no new requests")
@@ -315,7 +318,7 @@ class Scheduler:
                     continue
             k = seq.params.logprobs
             raw = row.copy() if k is not None else None  # sampling may mask the end tokens in place
-            token = sample(row, seq.params, seq.rng, self.decoder.tokenizer.end_ids)
+            token = sample(row, seq.params, seq.rng, self.decoder.tokenizer.end_ids, seq.grammar)
             text = seq.stream.push(token)
             sampled += 1
             logprob = token_logprobs(raw, token, k) if raw is not None and k is not None else None

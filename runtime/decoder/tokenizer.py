@@ -177,6 +177,13 @@ class Tokenizer:
     def token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    @functools.cached_property
+    def special(self) -> frozenset[int]:
+        """The control tokens' ids (BOS, turn markers...): they stand for no text."""
+        if self._pieces is not None:
+            return self._pieces.special
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes ``token_id`` stands for in the text (a byte-level token's, or a byte token's, may be part of a
         UTF-8 character); b"" for an id the vocabulary does not have."""

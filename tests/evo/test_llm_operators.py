@@ -129,6 +129,36 @@ def test_params_are_validated_against_the_space(tmp_path):
     assert "## Parameters" in user_prompt(fake.requests[0]) and "Constraints:" in user_prompt(fake.requests[0])
 
 
+def test_params_ask_for_the_spaces_schema_and_an_endpoint_that_refuses_it_is_asked_without(tmp_path):
+    """structured_output auto: the first call carries the space's JSON schema; an endpoint that answers it 400 is
+    asked again at once without it, and never with one again. `on` takes the 400 as the answer; `off` never asks."""
+    point = TASK.space().sample(np.random.default_rng(2))
+
+    def refuses_formats(body, n):
+        return Reply(status=400) if "response_format" in body else Reply(text=json.dumps(point))
+
+    book = PromptBook(PromptSettings())
+    with FakeLLM(refuses_formats) as fake:
+        op = LLMParams(session(fake.url, retry_rejected=False), book, hardware={})
+        first = op.propose(ctx(parent()))
+        second = op.propose(ctx(parent(params=point)))
+        assert [("response_format" in b) for b in fake.requests] == [True, False, False]
+        fmt = fake.requests[0]["response_format"]
+        assert fmt["type"] == "json_schema" and fmt["json_schema"]["strict"] is True
+        schema = fmt["json_schema"]["schema"]
+        assert list(schema["properties"]) == schema["required"] == list(TASK.space().params)
+        assert all(TASK.space().params[k].contains(v) for k, v in point.items())
+        assert schema["properties"]["MR"]["enum"] == list(TASK.space().params["MR"].values())
+        assert first.genome is not None and first.genome.params == point and second.genome is None
+        for mode, sent in (("on", [True]), ("off", [False])):
+            fake.requests.clear()
+            model = ModelSettings(base_url=fake.url, model="scripted", api_key_env=KEY_ENV, structured_output=mode)
+            op = LLMParams(LLMSession(LLMSettings(models=[model]), cache=ResponseCache()), book, hardware={})
+            proposal = op.propose(ctx(parent()))
+            assert [("response_format" in b) for b in fake.requests] == sent
+            assert (proposal.genome is None) == (mode == "on")
+
+
 def test_429_then_success_is_retried_within_the_deadline(tmp_path):
     script = [Reply(status=429, headers={"retry-after": "0.2"}), Reply(status=503),
               Reply(text=diff_answer(NAIVE_LOOP, FAST_LOOP))]

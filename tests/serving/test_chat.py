@@ -136,6 +136,65 @@ def test_logprobs_give_each_token_its_id_bytes_and_log_probability(server: Serve
     assert plain.choices[0].logprobs is None
 
 
+TUNING = {"type": "object", "additionalProperties": False, "required": ["kernel", "unroll", "vectorise"],
+          "properties": {"kernel": {"enum": ["naive", "tiled", "packed"]}, "unroll": {"enum": [1, 2, 4, 8]},
+                         "vectorise": {"type": "boolean"}}}  # fmt: skip
+TUNING_FORMAT = {"type": "json_schema", "json_schema": {"name": "tuning", "schema": TUNING, "strict": True}}
+
+
+def test_a_json_schema_response_format_holds_a_random_model_to_the_schema(server: Server, decoder) -> None:
+    """A random-weight model's answers, held token by token to the schema: JSON with its properties in order,
+    ended by the end token, whatever the seed; streamed and whole alike, and as Decoder.generate gives them."""
+    from runtime.decoder import SamplingParams
+    from runtime.decoder.grammar import json_schema_grammar
+
+    client = _client(server)
+    texts = []
+    for seed in range(4):
+        got = client.chat.completions.create(model="tiny-chat", messages=CHATS[0], max_tokens=96, temperature=1.0,
+                                             seed=seed, response_format=TUNING_FORMAT)  # fmt: skip
+        answer = json.loads(got.choices[0].message.content)
+        assert list(answer) == ["kernel", "unroll", "vectorise"] and got.choices[0].finish_reason == "stop"
+        assert answer["kernel"] in ("naive", "tiled", "packed") and answer["unroll"] in (1, 2, 4, 8)
+        assert isinstance(answer["vectorise"], bool)
+        texts.append(got.choices[0].message.content)
+    streamed = client.chat.completions.create(model="tiny-chat", messages=CHATS[0], max_tokens=96, temperature=1.0,
+                                              seed=0, response_format=TUNING_FORMAT, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == texts[0]
+    grammar = json_schema_grammar(decoder.tokenizer, TUNING)
+    params = SamplingParams(max_tokens=96, temperature=1.0, seed=0, grammar=grammar)
+    assert decoder.generate(CHATS[0], params).text == texts[0]
+    free = client.chat.completions.create(model="tiny-chat", messages=CHATS[0], max_tokens=24, temperature=1.0, seed=0)
+    with pytest.raises(ValueError):  # the same model, unheld, writes no such JSON
+        json.loads(free.choices[0].message.content)
+
+
+def test_the_search_clients_parameter_schema_is_enforced_by_the_chat_server(server: Server, monkeypatch) -> None:
+    """llm_params' call through evoforge's own client: the matmul space's schema as response_format, answered by a
+    random model with a point that names every parameter, in order, each within its domain."""
+    from evo.llm.client import LLMClient
+    from evo.llm.settings import ModelSettings
+    from runtime.tasks.matmul import Matmul
+
+    monkeypatch.setenv("EVO_TEST_CHAT_KEY", KEY)
+    space = Matmul({"m": 64, "n": 64, "k": 64}).space()
+    client = LLMClient(ModelSettings(base_url=server.url + "/v1", model="tiny-chat", api_key_env="EVO_TEST_CHAT_KEY",
+                                     temperature=1.0, max_tokens=400, timeout=60))  # fmt: skip
+    for _ in range(2):
+        answer = client.chat(CHATS[0], response_format=client.response_format(space.json_schema()))
+        values = json.loads(answer.text)
+        assert list(values) == list(space.params) and all(space.params[k].contains(v) for k, v in values.items())
+
+
+def test_json_mode_answers_an_object(server: Server) -> None:
+    got = _client(server).chat.completions.create(model="tiny-chat", messages=CHATS[1], max_tokens=48, temperature=0,
+                                                  response_format={"type": "json_object"})  # fmt: skip
+    text, finish = got.choices[0].message.content, got.choices[0].finish_reason
+    assert text.startswith("{") and finish in ("stop", "length")
+    if finish == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
 def test_sixteen_concurrent_streams_each_get_their_tokens_alone(server: Server, decoder) -> None:
     """16 greedy streams of different prompt lengths and lengths, started together: each one's text is the one
     Decoder.generate gives it alone, and the engine ran them in batches."""
@@ -206,6 +265,15 @@ BAD = [
     ("unknown key", CHAT, {"messages": USER, "frequency_penalty": 0.5}, "frequency_penalty"),
     ("stream_options without stream", CHAT, {"messages": USER, "stream_options": {"include_usage": True}},
      "stream_options"),
+    ("json_schema without its schema", CHAT, {"messages": USER, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema.json_schema"),
+    ("unknown response_format", CHAT, {"messages": USER, "response_format": {"type": "yaml"}}, "response_format"),
+    ("a schema that cannot be enforced", CHAT,
+     {"messages": USER, "response_format": {"type": "json_schema",
+                                            "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
+     "response_format"),
+    ("ignore_eos with a response_format", CHAT,
+     {"messages": USER, "ignore_eos": True, "response_format": {"type": "json_object"}}, "response_format"),
     ("token-id prompt", "/v1/completions", {"prompt": [1, 2, 3]}, "prompt"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, "prompt"),
     ("no prompt", "/v1/completions", {"max_tokens": 3}, "prompt"),

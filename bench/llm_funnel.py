@@ -1,0 +1,161 @@
+"""The language-model operators' funnel with a real small model: SmolLM2-135M-Instruct served by `evo serve --gguf`
+on this machine, driving short matmul searches. Each arm is its own `evo run`; the table is each operator's
+funnel from `evo archive stats` (proposals, applied, compiled, correct, improved, tokens).
+
+Arms (all on configs/matmul_cpu_selfhosted.yaml, at a smaller matmul so evaluations stay short):
+- ``params-structured``: llm_params alone, the space's JSON schema sent as ``response_format`` (the server
+  enforces it token by token);
+- ``params-prompt``: llm_params alone, JSON asked for in the prompt only (``structured_output: off``);
+- ``code``: llm_diff and llm_rewrite (free text: SEARCH/REPLACE blocks and fenced code);
+- ``classical``: mutate, crossover and random with the same number of evaluations as ``params-structured``.
+
+This is not a claim about what a 135M model finds; it shows whether the prompts, parsers and the structured
+output hold up against a real model's answers.
+
+    python bench/llm_funnel.py --proposals 60 --code-proposals 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from runtime.decoder.models import model_file  # noqa: E402
+from runtime.hardware import fingerprint  # noqa: E402
+
+CONFIG = ROOT / "configs" / "matmul_cpu_selfhosted.yaml"
+CLASSICAL = {"mutate": 0.6, "crossover": 0.3, "random": 0.1}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def served(model: Path, threads: int, log: Path) -> Iterator[str]:
+    """`evo serve --gguf model` on a free port; yields its base URL."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "evo", "serve", "--gguf", str(model), "--port", str(port), "--threads", str(threads)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"evo serve exited with {proc.returncode}: see {log}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(url + "/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"evo serve was not ready within 300 s: see {log}")
+            time.sleep(0.5)
+        yield url + "/v1"
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def arm_config(url: str, model_id: str, arm: str, args: argparse.Namespace) -> dict[str, Any]:
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["task"]["args"] = {"m": args.n, "n": args.n, "k": args.n, "threads": 1}
+    cfg["evaluation"]["timing"] = {"warmup": 1, "min_repeats": 3, "max_repeats": 10, "max_seconds": 0.2}
+    search = cfg["search"]
+    search.update(seed=args.seed, workers=1, initial_random=0, confirm={"repeats": 0})
+    (model,) = cfg["llm"]["models"]
+    model.update(base_url=url, model=model_id, max_tokens=args.max_tokens, temperature=0.7, timeout=600,
+                 max_concurrency=1)  # fmt: skip
+    cfg["memory"] = {"enabled": False}
+    if arm == "classical":
+        search["operators"] = {"weights": CLASSICAL}
+        del cfg["llm"]
+        cfg["budget"] = {"max_evals": args.proposals + 2, "max_time": args.max_time}
+        return cfg
+    if arm == "code":
+        search["operators"] = {"weights": {"llm_diff": 1.0, "llm_rewrite": 1.0}}
+        proposals = args.code_proposals
+    else:
+        search["operators"] = {"weights": {"llm_params": 1.0}}
+        model["structured_output"] = "on" if arm == "params-structured" else "off"
+        proposals = args.proposals
+    cfg["llm"]["retry_rejected"] = False  # one call per proposal: the funnel counts answers as they came
+    cfg["budget"] = {"max_evals": proposals + 2, "max_time": args.max_time}  # the seeds, then one per proposal
+    return cfg
+
+
+def run_arm(arm: str, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
+    path = work / f"{arm}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    run_dir = work / arm
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "evo", "run", str(path), "--run-dir", str(run_dir), "--no-confirm"],
+                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    wall = time.monotonic() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"{arm}: evo run failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    stats = subprocess.run([sys.executable, "-m", "evo", "archive", "stats", str(run_dir), "--json"], cwd=ROOT,
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    return {"wall_s": wall, "stats": json.loads(stats.stdout)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--proposals", type=int, default=60, help="llm_params proposals per params arm")
+    ap.add_argument("--code-proposals", type=int, default=20, help="evaluations of the code arm at most")
+    ap.add_argument("--max-time", type=float, default=900.0, help="seconds per arm at most")
+    ap.add_argument("--max-tokens", type=int, default=512, help="tokens per answer at most")
+    ap.add_argument("--n", type=int, default=256, help="the matmul's size (m = n = k)")
+    ap.add_argument("--threads", type=int, default=2, help="the server's threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arms", nargs="+", default=["params-structured", "params-prompt", "code", "classical"])
+    ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary folder)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args()
+    model = Path(model_file("smollm2"))
+    model_id = model.stem
+    work = args.work or Path(tempfile.mkdtemp(prefix="evoforge-funnel-"))
+    work.mkdir(parents=True, exist_ok=True)
+    hw = fingerprint()
+    print(f"model {model.name}; runs in {work}; CPU {hw.get('cpu_model')}, {hw.get('cores')} cores", flush=True)
+    results: dict[str, Any] = {}
+    with served(model, args.threads, work / "serve.log") as url:
+        for arm in args.arms:
+            print(f"== {arm}", flush=True)
+            results[arm] = run_arm(arm, arm_config(url, model_id, arm, args), work)
+            _print_arm(results[arm])
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+def _print_arm(result: dict[str, Any]) -> None:
+    ops = result["stats"].get("by_operator_detail", {})
+    print(f"  {'operator':<12} {'proposals':>9} {'applied':>8} {'compiled':>8} {'correct':>8} {'improved':>8}"
+          f" {'tokens':>8}   ({result['wall_s']:.0f} s)")  # fmt: skip
+    for name, row in sorted(ops.items()):
+        print(f"  {name:<12} {row['proposals']:>9} {row['applied']:>8} {row['compiled']:>8} {row['correct']:>8}"
+              f" {row['improved']:>8} {row['tokens']:>8}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
