@@ -7,6 +7,8 @@ Arms (all on configs/matmul_cpu_selfhosted.yaml, at a smaller matmul so evaluati
   enforces it token by token);
 - ``params-prompt``: llm_params alone, JSON asked for in the prompt only (``structured_output: off``);
 - ``code``: llm_diff and llm_rewrite (free text: SEARCH/REPLACE blocks and fenced code);
+- ``params-scripted``: llm_params against a scripted endpoint that answers a random valid point of the space
+  (what the pipeline gives a perfect answerer);
 - ``classical``: mutate, crossover and random with the same number of evaluations as ``params-structured``.
 
 This is not a claim about what a 135M model finds; it shows whether the prompts, parsers and the structured
@@ -24,12 +26,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +51,40 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def scripted(seed: int) -> Iterator[str]:
+    """An OpenAI-compatible endpoint that answers every chat completion with a random point of the matmul space
+    that holds its constraints, as JSON; yields its base URL."""
+    from runtime.tasks.matmul import Matmul
+
+    space, rng = Matmul({}).space(), np.random.default_rng(seed)
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            text = json.dumps(space.sample(rng))
+            body = json.dumps({"id": "scripted", "object": "chat.completion", "created": 0, "model": "scripted",
+                               "choices": [{"index": 0, "finish_reason": "stop",
+                                            "message": {"role": "assistant", "content": text}}],
+                               "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @contextlib.contextmanager
@@ -86,6 +125,7 @@ def arm_config(url: str, model_id: str, arm: str, args: argparse.Namespace) -> d
     (model,) = cfg["llm"]["models"]
     model.update(base_url=url, model=model_id, max_tokens=args.max_tokens, temperature=0.7, timeout=600,
                  max_concurrency=1)  # fmt: skip
+    cfg["llm"]["prompts"] = {"max_chars": args.max_chars}
     cfg["memory"] = {"enabled": False}
     if arm == "classical":
         search["operators"] = {"weights": CLASSICAL}
@@ -94,6 +134,7 @@ def arm_config(url: str, model_id: str, arm: str, args: argparse.Namespace) -> d
         return cfg
     if arm == "code":
         search["operators"] = {"weights": {"llm_diff": 1.0, "llm_rewrite": 1.0}}
+        model["max_tokens"] = args.code_max_tokens
         proposals = args.code_proposals
     else:
         search["operators"] = {"weights": {"llm_params": 1.0}}
@@ -124,11 +165,14 @@ def main() -> None:
     ap.add_argument("--proposals", type=int, default=60, help="llm_params proposals per params arm")
     ap.add_argument("--code-proposals", type=int, default=20, help="evaluations of the code arm at most")
     ap.add_argument("--max-time", type=float, default=900.0, help="seconds per arm at most")
-    ap.add_argument("--max-tokens", type=int, default=512, help="tokens per answer at most")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens per llm_params answer at most")
+    ap.add_argument("--code-max-tokens", type=int, default=768, help="tokens per llm_diff/llm_rewrite answer at most")
+    ap.add_argument("--max-chars", type=int, default=6000, help="the prompts' size bound (llm.prompts.max_chars)")
     ap.add_argument("--n", type=int, default=256, help="the matmul's size (m = n = k)")
     ap.add_argument("--threads", type=int, default=2, help="the server's threads")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arms", nargs="+", default=["params-structured", "params-prompt", "code", "classical"])
+    ap.add_argument("--arms", nargs="+", default=["params-structured", "params-prompt", "params-scripted", "code",
+                                                  "classical"])  # fmt: skip
     ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
@@ -139,10 +183,16 @@ def main() -> None:
     hw = fingerprint()
     print(f"model {model.name}; runs in {work}; CPU {hw.get('cpu_model')}, {hw.get('cores')} cores", flush=True)
     results: dict[str, Any] = {}
-    with served(model, args.threads, work / "serve.log") as url:
+    with contextlib.ExitStack() as stack:
+        url = None
         for arm in args.arms:
             print(f"== {arm}", flush=True)
-            results[arm] = run_arm(arm, arm_config(url, model_id, arm, args), work)
+            if arm == "params-scripted":
+                arm_url = stack.enter_context(scripted(args.seed))
+            else:
+                url = url or stack.enter_context(served(model, args.threads, work / "serve.log"))
+                arm_url = url
+            results[arm] = run_arm(arm, arm_config(arm_url, model_id, arm, args), work)
             _print_arm(results[arm])
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from archive import AddStatus, Candidate, Store
 from evo.llm.diff import Rejected, apply_edits, extract_code, extract_json, parse_edits, splice_blocks
@@ -50,8 +53,8 @@ class LLMOperator(Operator):
     def parent_source(self, parent: Candidate, task: Task) -> str:
         return base_source(parent, task)
 
-    def read(self, text: str, parent: Candidate, ctx: ProposalContext) -> Genome:
-        """The child an answer describes, or :class:`Rejected`."""
+    def read(self, text: str, parent: Candidate, ctx: ProposalContext) -> Genome | Amended:
+        """The child an answer describes (:class:`Amended` where it had to be changed first), or :class:`Rejected`."""
         raise NotImplementedError
 
     def extra_fields(self, ctx: ProposalContext) -> dict[str, str]:
@@ -80,7 +83,8 @@ class LLMOperator(Operator):
             if draft.answer is None:
                 break
             try:
-                child = self.read(draft.answer.text, parent, ctx)
+                got = self.read(draft.answer.text, parent, ctx)
+                child, draft.reason = (got.genome, got.note) if isinstance(got, Amended) else (got, None)
                 draft.outcome = "applied"
                 break
             except Rejected as exc:
@@ -146,8 +150,17 @@ class LLMParams(LLMOperator):
     def schema(self, ctx: ProposalContext) -> dict[str, Any] | None:
         return ctx.space.json_schema() if ctx.space.params else None
 
-    def read(self, text: str, parent: Candidate, ctx: ProposalContext) -> Genome:
-        return params_child(extract_json(text), parent, ctx.space)
+    def read(self, text: str, parent: Candidate, ctx: ProposalContext) -> Genome | Amended:
+        values = extract_json(text)
+        try:
+            return params_child(values, parent, ctx.space)
+        except Rejected:
+            if not self.session.settings.repair_params:
+                raise
+            amended = repaired_child(values, parent, ctx.space, ctx.rng)
+            if amended is None:
+                raise
+            return amended
 
 
 def space_text(space: ParamSpace) -> str:
@@ -155,6 +168,31 @@ def space_text(space: ParamSpace) -> str:
     lines = [f"- {name}: {json.dumps(spec, default=list)}" for name, spec in d["params"].items()]
     cons = d.get("constraints") or []
     return "\n".join(lines) + ("\nConstraints: " + "; ".join(cons) if cons else "")
+
+
+@dataclass(frozen=True)
+class Amended:
+    """A child made from an answer that could not be used as it came; ``note`` says what was changed."""
+
+    genome: Genome
+    note: str
+
+
+def repaired_child(values: dict[str, Any], parent: Candidate, space: ParamSpace,
+                   rng: np.random.Generator) -> Amended | None:  # fmt: skip
+    """Where ``values`` (over the parent's params) break only the space's constraints, the point with the failing
+    constraints' parameters redrawn (``space.repair``) and the rest kept; None where it breaks more, or no repair
+    differs from the parent."""
+    point = {**parent.params, **values}
+    problems = space.violations(point)
+    if not problems or not all(p.startswith("constraint ") for p in problems):
+        return None
+    fixed = space.repair(point, rng)
+    if fixed is None or fixed == parent.params:
+        return None
+    changed = ", ".join(f"{k} {point[k]!r} -> {fixed[k]!r}" for k in space.params if fixed[k] != point[k])
+    note = f"repaired ({'; '.join(problems[:3])}): {changed}"
+    return Amended(Genome(params=fixed, source=parent.source if parent.params else None), note)
 
 
 def params_child(values: dict[str, Any], parent: Candidate, space: ParamSpace) -> Genome:

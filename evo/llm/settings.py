@@ -64,6 +64,9 @@ class LLMSettings(_Model):
         None, ge=1, description="tokens (in + out) the whole run may pay for; then LLM operators stop"
     )
     retry_rejected: bool = Field(True, description="a rejected diff or answer is retried once, showing the error")
+    repair_params: bool = Field(True, description="an llm_params point that breaks only the space's constraints is "
+                                "repaired (the parameters of the failing constraints redrawn, the rest kept) and "
+                                "recorded as applied, with what was changed")
     cooldown: float = Field(30.0, gt=0, description="seconds a failing endpoint rests before it is tried again")
     failures_to_trip: int = Field(2, ge=1, description="failed calls in a row that make an endpoint rest")
     prompts: PromptSettings = Field(default_factory=PromptSettings)

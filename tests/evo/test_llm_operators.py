@@ -159,6 +159,29 @@ def test_params_ask_for_the_spaces_schema_and_an_endpoint_that_refuses_it_is_ask
             assert (proposal.genome is None) == (mode == "on")
 
 
+def test_a_point_that_breaks_only_constraints_is_repaired_and_the_call_says_how(tmp_path):
+    """The failing constraints' parameters are redrawn and the rest of the answer kept; the call is `applied` with
+    what changed. A point outside a domain is rejected as before, and so is any point with repair_params off."""
+    space = TASK.space()
+    point = space.sample(np.random.default_rng(3))
+    mr = point["MR"]
+    broken = {**point, "MC": next(v for v in space.params["MC"].values() if v % mr)}
+    assert space.violations(broken) == ["constraint 'MC % MR == 0' is false"]
+    with FakeLLM([Reply(text=json.dumps(broken))]) as fake:
+        proposal, calls = run_op(LLMParams, fake.url, parent(), tmp_path, retry_rejected=False)
+        child = proposal.genome.params
+        assert space.is_valid(child) and child != broken
+        constrained = set().union(*(c.names for c in space.constraints))
+        assert all(child[k] == broken[k] for k in space.params if k not in constrained)
+        assert calls[0]["outcome"] == "applied" and calls[0]["reason"].startswith("repaired (constraint 'MC % MR")
+        off, calls = run_op(LLMParams, fake.url, parent(), tmp_path / "off", retry_rejected=False,
+                            repair_params=False)  # fmt: skip
+        assert off.genome is None and calls[0]["outcome"] == "rejected"
+    with FakeLLM([Reply(text=json.dumps({**broken, "MR": 999}))]) as fake:
+        outside, calls = run_op(LLMParams, fake.url, parent(), tmp_path / "outside", retry_rejected=False)
+        assert outside.genome is None and "MR=999 is outside its domain" in calls[0]["reason"]
+
+
 def test_429_then_success_is_retried_within_the_deadline(tmp_path):
     script = [Reply(status=429, headers={"retry-after": "0.2"}), Reply(status=503),
               Reply(text=diff_answer(NAIVE_LOOP, FAST_LOOP))]
