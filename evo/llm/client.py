@@ -151,7 +151,8 @@ class LLMClient:
                     self._closing.wait(wait)
                     attempt += 1
                 except openai.BadRequestError as exc:
-                    if response_format is None or s.structured_output != "auto":
+                    # only a 400 about the format itself turns it off (not one about the prompt's length, say)
+                    if response_format is None or s.structured_output != "auto" or "response_format" not in str(exc):
                         raise LLMUnavailable(_describe(exc)) from None
                     self._formats_refused, response_format = True, None
                     self._note(f"llm: model {self.name} at {s.base_url} refused a response_format ({_describe(exc)}): "

@@ -137,14 +137,17 @@ class _Vocabulary:
     """outlines-core's view of a tokenizer: each text token's bytes, and the end token (built on first use)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
+        self._tokenizer = weakref.ref(tokenizer)  # weak: the cache it sits in is keyed by the tokenizer, weakly
         self._built: tuple[Any, int] | None = None
         self._lock = threading.Lock()
 
     def get(self) -> tuple[Any, int]:
         with self._lock:
             if self._built is None:
-                self._built = _outlines_vocabulary(self._tokenizer)
+                tokenizer = self._tokenizer()
+                if tokenizer is None:
+                    raise GrammarError("the model's tokenizer is gone")
+                self._built = _outlines_vocabulary(tokenizer)
             return self._built
 
 

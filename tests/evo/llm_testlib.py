@@ -28,6 +28,7 @@ class Reply:
     delay: float = 0.0
     garbage: bool = False
     headers: dict[str, str] = field(default_factory=dict)
+    error: str = "scripted error"  # an error status's message
 
 
 Script = Callable[[dict[str, Any], int], Reply]
@@ -61,7 +62,7 @@ class FakeLLM:
                     payload = b"<html>this is not json"
                 else:
                     payload = json.dumps(_completion(body, reply) if reply.status == 200 else
-                                         {"error": {"message": "scripted error", "code": reply.status}}).encode()
+                                         {"error": {"message": reply.error, "code": reply.status}}).encode()
                 try:
                     self.send_response(reply.status)
                     self.send_header("content-type", "application/json")
