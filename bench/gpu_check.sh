@@ -22,8 +22,8 @@ echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --for
 nvcc --version | tail -1; $PY --version
 
 echo "== pycuda (offline, built against $CUDA_ROOT)"
-# WHEELS: another folder of wheels (e.g. pytools' and siphash24's for another Python). PIP_TARGET, if set,
-# is where pip installs (pip reads it itself); put it on PYTHONPATH too.
+# WHEELS: another folder of wheels (e.g. pytools' and siphash24's for another Python). Everything goes into
+# the Python's own site-packages: sandboxed workers do not inherit PYTHONPATH.
 if ! $PY -c "import pycuda.driver" 2>/dev/null; then
   if ! $PY -c "import pytools, mako, platformdirs, siphash24" 2>/dev/null; then
     $PY -m pip install -q --no-index --find-links bench/cuda_wheels ${WHEELS:+--find-links "$WHEELS"} \
