@@ -50,11 +50,11 @@ def main() -> None:
     threadpool_limits(1, "blas")  # one pool at a time: the kernels' OpenMP team runs the GEMMs
     from runtime.decoder import DecoderOps, load_decoder
     from runtime.decoder.fidelity import DEFAULT_FLOOR, divergence, forced_logits
-    from runtime.decoder.kernels import DecoderKernelError, c_decode_attention, c_rmsnorm, decoder_ops, parse_mix
+    from runtime.decoder.kernels import DecoderKernelError, c_attention, c_rmsnorm, decoder_ops, parse_mix
 
     model = load_decoder(gguf_model(args.model))
     model.kv_dtype = np.dtype(np.float16 if args.kv_dtype == "f16" else np.float32)
-    base = DecoderOps(decode_attention=c_decode_attention(threads=args.threads, cache=args.kv_dtype),
+    base = DecoderOps(attention=c_attention(threads=args.threads, cache=args.kv_dtype),
                       rmsnorm=c_rmsnorm())  # fmt: skip
     mixes: dict[str, DecoderOps] = {}
     for text in args.mix or DEFAULT_MIXES:

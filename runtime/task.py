@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -181,6 +181,11 @@ class KernelTask(Task):
         ``None`` (the default): no such bound. Each element may pass :meth:`tolerance` while all together show
         arithmetic of fewer bits than the task's (inputs rounded to 14 bits, an int16 fixed-point GEMM)."""
         return None
+
+    def twin_rows(self, case: Case) -> Mapping[str, Sequence[tuple[int, int]]]:
+        """Per output, pairs of rows (indices on its first axis) that must be equal bit for bit: one computation
+        reached two ways in the same call, such as a query alone and within a batch (empty by default)."""
+        return {}
 
     def value_kinds(self) -> tuple[str, ...]:
         """The value distributions the kernel must be correct on (see :data:`VALUE_KINDS`). Besides the

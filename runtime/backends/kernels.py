@@ -217,6 +217,7 @@ def compare(task: KernelTask, inst: Instance) -> None:
         scale = scales.get(name)
         bad = ~within_tolerance(got, exp, rtol, atol, scale)
         if not bad.any():
+            compare_twins(task, inst)
             if inst.kind == "typical":
                 check_rms(task, inst.case, name, got, exp, f"{inst.describe()}, input seed {inst.seed}")
             continue
@@ -238,6 +239,17 @@ def compare(task: KernelTask, inst: Instance) -> None:
             f"{inst.describe()}, input seed {inst.seed}",
         )
 
+
+def compare_twins(task: KernelTask, inst: Instance) -> None:
+    """Raises ``wrong`` when two rows the task requires to be equal bit for bit (:meth:`twin_rows`) differ."""
+    for name, pairs in task.twin_rows(inst.case).items():
+        out = inst.arrays[name]
+        for a, b in pairs:
+            if not np.array_equal(out[a].view(np.uint8), out[b].view(np.uint8)):
+                diff = np.abs(out[a].astype(np.float64) - out[b].astype(np.float64))
+                raise Failure(Status.WRONG, f"rows {a} and {b} of output {name!r} are one computation reached two "
+                              f"ways and must be equal bit for bit; they differ by up to {np.nanmax(diff):.3g} (the "
+                              f"result depends on the batch around it); {inst.describe()}, input seed {inst.seed}")
 
 def within_tolerance(got: np.ndarray, expected: np.ndarray, rtol: float, atol: float,
                      scale: np.ndarray | None = None) -> np.ndarray:  # fmt: skip

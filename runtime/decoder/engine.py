@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from runtime.decoder.generate import Decoder
 from runtime.decoder.kernels import (
     DecoderKernelError,
-    c_decode_attention,
+    c_attention,
     c_rmsnorm,
     decoder_ops,
     linear_task,
@@ -49,7 +49,7 @@ class ChatEngine(BaseModel):
     linear: str = Field("numpy", description="what runs the weight GEMMs and the LM head: numpy (fp32, BLAS), or the "
                         "linear slot's C kernel in PRECISION[:MATRIX=PRECISION,...] (fp32, int8, bf16, q8; "
                         "e.g. int8:lm_head=fp32)")  # fmt: skip
-    slots: Literal["c", "numpy"] = Field("c", description="c: a decode step's attention and RMSNorm on their "
+    slots: Literal["c", "numpy"] = Field("c", description="c: attention (batch-invariant) and RMSNorm on their "
                                          "tasks' C kernels; numpy: in numpy")  # fmt: skip
     kv_dtype: Literal["fp32", "f16"] = Field("fp32", description="the KV cache's type")
     step_tokens: int = Field(64, ge=1, le=65536, description="tokens one engine step runs (a token of each "
@@ -108,7 +108,7 @@ def build(model: DecoderModel, engine: ChatEngine, *, cache_dir: str | Path | No
     where = {"cache_dir": cache_dir, "compiler": compiler}
     ops = DecoderOps()
     if engine.slots == "c":
-        ops = DecoderOps(decode_attention=c_decode_attention(threads=openmp, cache=engine.kv_dtype, **where),
+        ops = DecoderOps(attention=c_attention(threads=openmp, cache=engine.kv_dtype, **where),
                          rmsnorm=c_rmsnorm(threads=1, **where))  # fmt: skip
     if mix:
         ops = decoder_ops(model, mix[0], matrices=mix[1], threads=team, base=ops, **where)

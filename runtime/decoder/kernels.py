@@ -34,7 +34,7 @@ from runtime.task import load_task_class
 from runtime.tasks._linear import LinearTask
 from runtime.toolchain.cc import CKernel, compile_source, load_kernel
 
-__all__ = ["MATRICES", "PRECISIONS", "DecoderKernelError", "Precision", "c_decode_attention", "c_rmsnorm",
+__all__ = ["MATRICES", "PRECISIONS", "DecoderKernelError", "Precision", "c_attention", "c_rmsnorm",
            "decoder_ops", "linear_task", "parse_mix"]  # fmt: skip
 
 Precision = Literal["fp32", "int8", "bf16", "q8"]
@@ -238,50 +238,47 @@ def c_rmsnorm(
     return rmsnorm
 
 
-def c_decode_attention(
+def c_attention(
     genome: Genome | None = None,
     *,
     threads: int = 1,
     cache: str = "fp32",
     compiler: CompilerSettings | None = None,
     cache_dir: str | Path | None = None,
-) -> Callable[[np.ndarray, Sequence[KVCache], int, Sequence[int], int], np.ndarray]:
-    """The ``decode_attention`` slot on the ``attention_decode`` task's kernel (``genome``, default its template
-    seed), compiled for ``threads`` threads: every decoding sequence of a step in one call, over the caches where
-    they are (each passed as its offset from the first, from the addresses a cache keeps), of ``cache``'s type
-    (``fp32`` or ``f16``; a cache of another is a ValueError). A sliding window moves each sequence's offsets on
-    to the first key it sees, in every head (the heads stay a capacity apart), and shortens its length."""
+) -> Callable[[np.ndarray, Sequence[KVCache], int, Sequence[int], Sequence[int], int], np.ndarray]:
+    """The ``attention`` slot on the ``attention_decode`` task's kernel (``genome``, default its template seed),
+    compiled for ``threads`` threads: every sequence of a forward pass in one call (decode steps and prompts'
+    chunks alike, each query's output independent of the others), over the caches where they are (each passed as
+    its offset from the first, from the addresses a cache keeps), of ``cache``'s type (``fp32`` or ``f16``; a
+    cache of another is a ValueError)."""
     from runtime.tasks.attention_decode import AttentionDecode
 
     task = AttentionDecode({"threads": threads, "cache": cache})
     kernel = _build(task, genome, compiler, cache_dir)
     dtype = np.dtype(np.float16 if cache == "f16" else np.float32)
-    one, index = np.zeros((1, 1, 1), np.float32), np.zeros(1, np.int64)
-    call = kernel.caller(task.slot_args({"q": one, "kv_heads": 1, "k": one, "v": one, "k_off": index, "v_off": index,
-                                         "length": index.astype(np.int32), "capacity": index.astype(np.int32)},
-                                        one))  # fmt: skip
+    one, index, ints = np.zeros((1, 1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int32)
+    call = kernel.caller(task.slot_args({"q": one, "kv_heads": 1, "window": 0, "k": one, "v": one, "k_off": index,
+                                         "v_off": index, "length": ints, "count": ints, "capacity": ints}, one))
 
-    def decode_attention(q: np.ndarray, caches: Sequence[KVCache], layer: int, lengths: Sequence[int],
-                         window: int = 0) -> np.ndarray:  # fmt: skip
+    def attention(q: np.ndarray, caches: Sequence[KVCache], layer: int, lengths: Sequence[int],
+                  counts: Sequence[int], window: int = 0) -> np.ndarray:  # fmt: skip
         if caches[0].dtype != dtype:
             raise ValueError(f"a KV cache of {caches[0].dtype} for a kernel built for {dtype}: build it with "
                              f"cache={'f16' if caches[0].dtype == np.float16 else 'fp32'}")  # fmt: skip
         where = np.array([c.addresses[layer] for c in caches])  # [B, 2]: keys, values
         offsets = (where - where[0]) // dtype.itemsize  # elements from the first cache's (all 16-byte aligned)
         q = np.ascontiguousarray(q, np.float32)
-        b, heads, d = q.shape
-        length = np.asarray(lengths, np.int32)
+        _, heads, d = q.shape
+        length, count = np.asarray(lengths, np.int32), np.asarray(counts, np.int32)
+        if int(count.sum()) != len(q) or (count < 1).any() or (count > length).any():
+            raise ValueError(f"{len(q)} query rows for new queries {count.tolist()} over lengths {length.tolist()}")
         capacity = np.array([c.capacity for c in caches], np.int32)
         k_off, v_off = np.ascontiguousarray(offsets[:, 0]), np.ascontiguousarray(offsets[:, 1])
-        if window:  # a sliding-window layer: each sequence's keys start `first` positions on, in every head
-            first = np.maximum(length - window, 0)
-            k_off += first * d
-            v_off += first * d
-            length = length - first
         out = np.empty_like(q)
-        call(b, heads, caches[0].config.kv_heads, d, q.ctypes.data, int(where[0, 0]), int(where[0, 1]),
-             k_off.ctypes.data, v_off.ctypes.data, length.ctypes.data, capacity.ctypes.data, out.ctypes.data)
+        call(len(caches), heads, caches[0].config.kv_heads, d, window, q.ctypes.data, int(where[0, 0]),
+             int(where[0, 1]), k_off.ctypes.data, v_off.ctypes.data, length.ctypes.data, count.ctypes.data,
+             capacity.ctypes.data, out.ctypes.data)  # fmt: skip
         return out
 
-    decode_attention.kernel = kernel  # type: ignore[attr-defined]  # alive as long as the function
-    return decode_attention
+    attention.kernel = kernel  # type: ignore[attr-defined]  # alive as long as the function
+    return attention

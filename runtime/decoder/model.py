@@ -161,8 +161,7 @@ class DecoderModel:
         tables = {False: self.rope_tables(positions)}
         if cfg.local_layers:
             tables[True] = self.rope_tables(positions, local=True)
-        decoding = np.flatnonzero(np.asarray(counts) == 1)  # sequences bringing one token: a decode step
-        lengths = [starts[i] + 1 for i in decoding]
+        lengths = [s + n for s, n in zip(starts, counts, strict=True)]
         q_w, kv_w, d = cfg.q_width, cfg.kv_width, cfg.head_dim
         q_scale = np.float32(cfg.attn_scale * np.sqrt(d)) if cfg.attn_scale else None  # the slots scale by d^-1/2
         x = self.embed[flat]  # a copy: the residual stream, updated in place
@@ -182,15 +181,9 @@ class DecoderModel:
             if q_scale is not None:
                 q *= q_scale
             v = qkv[:, q_w + kv_w :].reshape(-1, cfg.kv_heads, d)
-            ctx = np.empty((len(flat), q_w), np.float32)
             for i, cache in enumerate(caches):
-                rows = slice(offsets[i], offsets[i + 1])
-                keys, values = cache.write(li, k[rows], v[rows])
-                if counts[i] > 1:  # a prompt's chunk; the decoding sequences go together, below
-                    ctx[rows] = ops.attention(q[rows], keys, values, starts[i], window).reshape(counts[i], q_w)
-            if len(decoding):
-                got = ops.decode_attention(q[offsets[decoding]], [caches[i] for i in decoding], li, lengths, window)
-                ctx[offsets[decoding]] = got.reshape(len(decoding), q_w)
+                cache.write(li, k[offsets[i] : offsets[i + 1]], v[offsets[i] : offsets[i + 1]])
+            ctx = ops.attention(q, caches, li, lengths, counts, window).reshape(len(flat), q_w)
             attn = ops.linear(ctx, layer.w_o, None)
             x += attn if layer.post_attn_norm is None else ops.rmsnorm(attn, layer.post_attn_norm, cfg.eps)
             up = ops.linear(ops.rmsnorm(x, layer.ffn_norm, cfg.eps), layer.w_gate_up, None)

@@ -9,16 +9,15 @@ it owns) and leaves its inputs alone. All arithmetic is fp32.
 - ``rmsnorm(x [T, H], g [H], eps) -> [T, H]``: ``x / sqrt(mean(x^2) + eps) * g``.
 - ``rope(x [T, heads, d], cos [T, r/2], sin [T, r/2]) -> [T, heads, d]``: rotates the pairs ``(x[2i], x[2i+1])``
   of each head's first ``r`` dimensions by angle ``i`` (llama.cpp's layout of Q and K in a GGUF file).
-- ``attention(q [t, heads, d], k [kv_heads, L, d], v [kv_heads, L, d], start, window) -> [t, heads, d]``: scaled
-  dot product attention (scale ``1 / sqrt(d)``: a model of another scale scales ``q``) of ``t`` queries at
-  positions ``start..start+t-1`` over ``L = start + t`` cached keys, causal; query head ``h`` reads key-value head
-  ``h // (heads / kv_heads)`` (grouped-query attention). Where ``window`` is not 0, the query at position ``p``
-  sees the keys at ``p - window + 1..p`` only (a sliding-window layer).
-- ``decode_attention(q [B, heads, d], caches, layer, lengths, window) -> [B, heads, d]``: one decode step's
-  attention for ``B`` sequences at once, each one query (its newest position) over its own cache: ``caches[i]``
-  is sequence ``i``'s :class:`runtime.decoder.model.KVCache` (the layer's keys ``k[layer]``, ``[kv_heads,
-  capacity, d]``, and values ``v[layer]``, their addresses in ``addresses[layer]``), the first ``lengths[i]``
-  positions filled (the query's own included); of them, the last ``window`` where it is not 0.
+- ``attention(q [N, heads, d], caches, layer, lengths, counts, window) -> [N, heads, d]``: each sequence's new
+  queries over its own cache, every sequence of a forward pass in one call. ``caches[i]`` is sequence ``i``'s
+  :class:`runtime.decoder.model.KVCache` (the layer's keys ``k[layer]``, ``[kv_heads, capacity, d]``, and values
+  ``v[layer]``, their addresses in ``addresses[layer]``), its first ``lengths[i]`` positions filled, the last
+  ``counts[i]`` of them its new queries' (one in a decode step, a prompt's chunk in prefill): rows of ``q``,
+  sequence after sequence (``N = sum(counts)``). Scaled dot product attention (scale ``1 / sqrt(d)``: a model of
+  another scale scales ``q``), causal: the query at position ``p`` sees the keys ``0..p``, the last ``window`` of
+  them where ``window`` is not 0 (a sliding-window layer); query head ``h`` reads key-value head
+  ``h // (heads / kv_heads)`` (grouped-query attention).
 - ``swiglu(gu [T, 2I]) -> [T, I]``: ``silu(gate) * up`` of the fused projection (gate first).
 - ``geglu(gu [T, 2I]) -> [T, I]``: ``gelu(gate) * up``, GELU's tanh approximation (Gemma's MLP).
 - ``lm_head(x [T, H], w [vocab, H]) -> [T, vocab]``: the logits, ``x @ w.T`` (``w`` is the embedding matrix
@@ -38,10 +37,10 @@ from runtime.activations import gelu_tanh
 if TYPE_CHECKING:
     from runtime.decoder.model import KVCache
 
-__all__ = ["DECODER_SLOTS", "DecoderOps", "np_attention", "np_decode_attention", "np_geglu", "np_linear",
-           "np_lm_head", "np_rmsnorm", "np_rope", "np_swiglu"]  # fmt: skip
+__all__ = ["DECODER_SLOTS", "DecoderOps", "np_attention", "np_geglu", "np_linear", "np_lm_head", "np_rmsnorm",
+           "np_rope", "np_swiglu", "sdpa"]  # fmt: skip
 
-DECODER_SLOTS = ("linear", "rmsnorm", "rope", "attention", "decode_attention", "swiglu", "geglu", "lm_head")
+DECODER_SLOTS = ("linear", "rmsnorm", "rope", "attention", "swiglu", "geglu", "lm_head")
 """The decoder's operator slots."""
 
 
@@ -69,7 +68,10 @@ def np_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
-def np_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int = 0) -> np.ndarray:
+def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int = 0) -> np.ndarray:
+    """Attention of ``t`` queries ``q [t, heads, d]`` at positions ``start..start+t-1`` over ``L = start + t`` keys
+    ``k`` and values ``v`` (``[kv_heads, L, d]``), causal, in a window where ``window`` is not 0; one BLAS GEMM for
+    the scores of every query of a head group, so a query's rounding depends on the others (not batch-invariant)."""
     t, heads, d = q.shape
     if window and start >= window:  # keys before the first query's window: no query of the chunk sees them
         first = start + 1 - window
@@ -93,12 +95,15 @@ def np_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window
     return out.reshape(heads, t, d).transpose(1, 0, 2)
 
 
-def np_decode_attention(q: np.ndarray, caches: Sequence[KVCache], layer: int, lengths: Sequence[int],
-                        window: int = 0) -> np.ndarray:  # fmt: skip
+def np_attention(q: np.ndarray, caches: Sequence[KVCache], layer: int, lengths: Sequence[int], counts: Sequence[int],
+                 window: int = 0) -> np.ndarray:  # fmt: skip
     out = np.empty_like(q)
-    for i, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
-        first = max(0, n - window) if window else 0
-        out[i] = np_attention(q[i : i + 1], cache.k[layer][:, first:n], cache.v[layer][:, first:n], n - 1 - first)[0]
+    row = 0
+    for cache, n, t in zip(caches, lengths, counts, strict=True):
+        k, v = cache.k[layer][:, :n], cache.v[layer][:, :n]
+        out[row : row + t] = sdpa(q[row : row + t], k.astype(np.float32, copy=False), v.astype(np.float32, copy=False),
+                                  n - t, window)  # fmt: skip
+        row += t
     return out
 
 
@@ -132,9 +137,8 @@ class DecoderOps:
     linear: Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray] = np_linear
     rmsnorm: Callable[[np.ndarray, np.ndarray, float], np.ndarray] = np_rmsnorm
     rope: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] = np_rope
-    attention: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], np.ndarray] = np_attention
-    decode_attention: Callable[[np.ndarray, Sequence[KVCache], int, Sequence[int], int], np.ndarray] = (
-        np_decode_attention)  # fmt: skip
+    attention: Callable[[np.ndarray, Sequence[KVCache], int, Sequence[int], Sequence[int], int], np.ndarray] = (
+        np_attention)  # fmt: skip
     swiglu: Callable[[np.ndarray], np.ndarray] = np_swiglu
     geglu: Callable[[np.ndarray], np.ndarray] = np_geglu
     lm_head: Callable[[np.ndarray, np.ndarray], np.ndarray] = np_lm_head

@@ -32,7 +32,7 @@ def test_threads_share_the_sequences(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("wrong", "right"), [
-    ("j < length[b]", "j <= length[b]"),
+    ("j <= pos;", "j <= pos + 1;"),
     ("(long)(h / group)", "(long)(h % kv_heads)"),
 ], ids=["reads-one-key-past-the-length", "maps-query-heads-to-the-wrong-kv-head"])  # fmt: skip
 @pytest.mark.parametrize("cache", ["fp32", "f16"])
@@ -58,7 +58,8 @@ def test_an_fp32_kernel_fails_on_an_f16_cache(tmp_path: Path) -> None:
 @pytest.mark.exclusive  # it compares two timings
 def test_the_sandbox_checks_and_times_it(tmp_path: Path, pool) -> None:
     spec = TaskSpec(name="attention_decode", args={"batch": 4, "length": 256})
-    template = request(str(tmp_path), task=spec, params={"VEC": 8, "KBLOCK": 32}, settings=make_settings(str(tmp_path)))
+    point = {"VEC": 8, "KBLOCK": 32, "QTILE": 4}
+    template = request(str(tmp_path), task=spec, params=point, settings=make_settings(str(tmp_path)))
     got = run(pool, template, timeout=120)
     assert got.status == Status.OK, got.error
     naive = AttentionDecode().seeds()[0].source
@@ -66,3 +67,17 @@ def test_the_sandbox_checks_and_times_it(tmp_path: Path, pool) -> None:
     # each against the reference timed beside it: a load that comes and goes between the two runs moves both
     assert slow.status == Status.OK and slow.fitness > 0
     assert slow.metrics["vs_reference"] < got.metrics["vs_reference"], (slow.metrics, got.metrics)
+
+
+def test_a_kernel_whose_rounding_depends_on_its_tile_fails_in_the_sandbox(tmp_path: Path, pool) -> None:
+    """Batch invariance is checked bit for bit: a kernel that scales the scores of a full tile by one more ulp is
+    well within the tolerance, and its twin rows differ, so it is wrong; the template itself passes."""
+    right = "s[r][jj] = dot(q[r], k[r] + (long)(j0 + jj) * d, d) * scale;"
+    source = load_c_source("attention_decode_template.c")
+    assert right in source
+    drifting = source.replace(right, right.replace("* scale;", "* (rows > 4 ? scale * 1.0000001f : scale);"))
+    spec = TaskSpec(name="attention_decode", args={"batch": 4, "length": 64})
+    point = {"VEC": 8, "KBLOCK": 32, "QTILE": 4}
+    got = run(pool, request(str(tmp_path), drifting, params=point, task=spec), timeout=120)
+    assert got.status == Status.WRONG and "bit for bit" in got.error, got.error
+    assert run(pool, request(str(tmp_path), source, params=point, task=spec), timeout=120).status == Status.OK

@@ -53,6 +53,10 @@ def assert_correct(task: Task, fn: KernelFn, rng: np.random.Generator) -> None:
         for name in want:
             ok = within_tolerance(got[name], want[name], rtol, atol, scales.get(name))
             assert ok.all(), f"{name} at {case} with {kind} values: {int((~ok).sum())} of {ok.size} elements off"
+        for name, pairs in task.twin_rows(case).items():
+            for a, b in pairs:
+                same = np.array_equal(got[name][a], got[name][b], equal_nan=True)
+                assert same, f"{name} rows {a}, {b} differ at {case}"
 
 
 def random_points(task: Task, count: int, seed: int) -> list[Genome]:

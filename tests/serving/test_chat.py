@@ -561,13 +561,13 @@ def test_a_gemma3_file_is_served_as_the_decoder_runs_it(tmp_path: Path) -> None:
     from gguf_models import make_hf_model, train_spm_vocabulary, write_gguf
 
     from runtime.decoder import Decoder, DecoderOps
-    from runtime.decoder.kernels import c_decode_attention, c_rmsnorm
+    from runtime.decoder.kernels import c_attention, c_rmsnorm
 
     lines = [s for s in (DATA / "sentences.txt").read_text(encoding="utf-8").splitlines() if s.strip()]
     vocab = train_spm_vocabulary(lines)
     path = write_gguf(tmp_path / "tiny-gemma.gguf", make_hf_model("gemma3", len(vocab.tokens), tied=True), vocab,
                       arch="gemma3", add_bos=True)  # fmt: skip
-    decoder = Decoder.load(path, ops=DecoderOps(decode_attention=c_decode_attention(), rmsnorm=c_rmsnorm()))
+    decoder = Decoder.load(path, ops=DecoderOps(attention=c_attention(), rmsnorm=c_rmsnorm()))
     srv = start_server(None, "--gguf", str(path), "--threads", "1")
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -5,6 +5,7 @@ floor against fp32 and still answers, and under ``EVOFORGE_CPU_ISA=avx2`` the AV
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from genome import Genome
 from runtime.decoder import Decoder, DecoderModel, DecoderOps, Layer
 from runtime.decoder.fidelity import DEFAULT_FLOOR, Fidelity, Floor, divergence, fidelity, forced_logits
-from runtime.decoder.kernels import DecoderKernelError, c_decode_attention, decoder_ops, linear_task
+from runtime.decoder.kernels import DecoderKernelError, c_attention, decoder_ops, linear_task
 from runtime.hardware import cpu_flags
 from runtime.tasks._common import load_c_source
 from runtime.tasks.linear_int8 import int8_linear_reference, pack_int8
@@ -109,11 +110,11 @@ def test_tiny_decoders_on_c_kernels_follow_numpy(case, tiny_models, sentences, k
 
 
 @tiny_group
-def test_decode_attention_in_c_follows_numpy(llama, sentences, kernel_cache):
-    """Five sequences of different lengths decode together, their caches growing (moving) on the way: the C decode
+def test_attention_in_c_follows_numpy(llama, sentences, kernel_cache):
+    """Five prompts, then their sequences decode together, their caches growing (moving) on the way: the C
     attention gives numpy's logits at every step; a prompt chunk among decoding sequences is still right."""
     model = llama.decoder.model
-    ops = {"numpy": DecoderOps(), "c": DecoderOps(decode_attention=c_decode_attention(cache_dir=kernel_cache))}
+    ops = {"numpy": DecoderOps(), "c": DecoderOps(attention=c_attention(cache_dir=kernel_cache))}
     prompts = [model.tokenizer.encode(s) for s in sentences[:5]]
     assert len({len(p) for p in prompts}) > 1
     caches = {name: [model.new_cache(4) for _ in prompts] for name in ops}
@@ -130,7 +131,7 @@ def test_decode_attention_in_c_follows_numpy(llama, sentences, kernel_cache):
     np.testing.assert_allclose(mixed["c"], mixed["numpy"], rtol=1e-4, atol=1e-4 * np.abs(mixed["numpy"]).max())
     # the kernel given is the one that runs: one that reads another head's keys changes the logits
     source = load_c_source("attention_decode_naive.c").replace("(long)(h / group)", "(long)(h % kv_heads)")
-    wrong = DecoderOps(decode_attention=c_decode_attention(Genome(params={}, source=source), cache_dir=kernel_cache))
+    wrong = DecoderOps(attention=c_attention(Genome(params={}, source=source), cache_dir=kernel_cache))
     got = model.forward(tokens, copy.deepcopy(caches["numpy"]), wrong)
     assert np.abs(got - model.forward(tokens, caches["numpy"], ops["numpy"])).max() > 1e-2 * scale
 
@@ -145,7 +146,7 @@ def test_an_f16_cache_follows_the_fp32_one(llama, sentences, kernel_cache):
 
     model = llama.decoder.model
     f16 = dataclasses.replace(model, kv_dtype=np.dtype(np.float16))
-    c16 = DecoderOps(decode_attention=c_decode_attention(cache="f16", cache_dir=kernel_cache))
+    c16 = DecoderOps(attention=c_attention(cache="f16", cache_dir=kernel_cache))
     runs = {"fp32": (model, DecoderOps()), "numpy-f16": (f16, DecoderOps()), "c-f16": (f16, c16)}
     prompts = [model.tokenizer.encode(s) for s in sentences[:4]]
     caches = {name: [m.new_cache(4) for _ in prompts] for name, (m, _) in runs.items()}
@@ -234,3 +235,43 @@ def test_smollm2_in_int8_against_fp32_and_the_floor(smollm2, sentences, kernel_c
     q8 = decoder_ops(model, "q8", cache_dir=kernel_cache)
     held = fidelity(model, reference, q8, sentences)
     assert held.holds() and held.top1 > every.top1 and held.mean_kl < every.mean_kl / 4, held
+
+
+def _chunked(model: DecoderModel, ops: DecoderOps, ids: list[int], others: list[list[int]], sizes: list[int],
+             ) -> np.ndarray:  # fmt: skip
+    """Logits of every token of ``ids`` fed in chunks of ``sizes`` (cycled), each forward pass beside the other
+    sequences' next pieces (a decode step or a chunk of their own)."""
+    cache, side = model.new_cache(4), [model.new_cache(4) for _ in others]
+    got, at, fed, step = [], 0, [0] * len(others), 0
+    while at < len(ids):
+        n = sizes[step % len(sizes)]
+        chunks, caches = [ids[at : at + n]], [cache]
+        for i, other in enumerate(others):
+            m = 1 + (step + i) % 3
+            if fed[i] + m <= len(other):
+                chunks.append(other[fed[i] : fed[i] + m])
+                caches.append(side[i])
+                fed[i] += m
+        logits = model.forward(chunks, caches, ops, all_logits=True)
+        got.append(logits[: len(chunks[0])])
+        at, step = at + len(chunks[0]), step + 1
+    return np.concatenate(got)
+
+
+@tiny_group
+def test_on_c_kernels_a_sequences_logits_do_not_depend_on_its_chunks_or_its_batch(llama, sentences, kernel_cache):
+    """Batch invariance, bit for bit: a prompt in one chunk alone, or cut into chunks of 1 to 13 tokens beside
+    other sequences prefilling and decoding, gives the same logits on the C engine (so a request's greedy tokens
+    do not depend on the load on the server). Numpy's BLAS attention gives no such promise, and here it breaks."""
+    from runtime.decoder.engine import ChatEngine, build
+
+    model = llama.decoder.model
+    ids = model.tokenizer.encode(" ".join(sentences[:6]))[:72]
+    others = [model.tokenizer.encode(s) for s in sentences[6:9]]
+    c = build(model, ChatEngine(linear="fp32", slots="c", threads=2), cache_dir=kernel_cache).ops
+    numpy = dataclasses.replace(c, attention=DecoderOps().attention)
+    for ops, name in ((c, "c"), (numpy, "numpy")):
+        alone = model.forward([ids], [model.new_cache()], ops, all_logits=True)
+        cut = [_chunked(model, ops, ids, others, sizes) for sizes in ([7, 1, 13, 2], [1], [5, 11])]
+        same = [np.array_equal(alone, got) for got in cut]
+        assert all(same) if name == "c" else not all(same), (name, same)

@@ -8,7 +8,7 @@ import pytest
 from gguf_models import GEMMA3_WINDOW
 
 from runtime.decoder import DecoderOps
-from runtime.decoder.ops import np_attention, np_decode_attention
+from runtime.decoder.ops import np_attention, sdpa
 
 pytestmark = pytest.mark.xdist_group("decoder-tiny")
 
@@ -67,26 +67,28 @@ def test_a_windowed_prompt_chunk_sees_only_its_window():
     t, start, window, d = 7, 9, 4, 8
     q = rng.standard_normal((t, 4, d), dtype=np.float32)
     k, v = (rng.standard_normal((2, start + t, d), dtype=np.float32) for _ in range(2))
-    got = np_attention(q, k, v, start, window)
+    got = sdpa(q, k, v, start, window)
     for i in range(t):
         p = start + i
-        alone = np_attention(q[i : i + 1], k[:, p - window + 1 : p + 1], v[:, p - window + 1 : p + 1], window - 1)
+        alone = sdpa(q[i : i + 1], k[:, p - window + 1 : p + 1], v[:, p - window + 1 : p + 1], window - 1)
         np.testing.assert_allclose(got[i], alone[0], rtol=1e-5, atol=1e-6)
 
 
-def test_c_decode_attention_slides_its_window_as_numpy_does(gemma, sentences, kernel_cache):
-    from runtime.decoder.kernels import c_decode_attention
+def test_c_attention_slides_its_window_as_numpy_does(gemma, sentences, kernel_cache):
+    """A decode step and a prompt's chunk, over caches longer than the window: C and numpy see the same keys."""
+    from runtime.decoder.kernels import c_attention
 
     model, ids = gemma.decoder.model, _long_ids(gemma, sentences)
     caches = [model.new_cache(), model.new_cache()]
     model.forward([ids, ids[: GEMMA3_WINDOW + 3]], caches, DecoderOps())
-    q = np.random.default_rng(1).standard_normal((2, model.config.heads, model.config.head_dim), dtype=np.float32)
+    counts = [1, 9]  # the second sequence's last 9 positions: a chunk whose first queries' windows start apart
+    q = np.random.default_rng(1).standard_normal((10, model.config.heads, model.config.head_dim), dtype=np.float32)
     lengths = [c.length for c in caches]
-    c_attention = c_decode_attention(cache_dir=kernel_cache)
+    attention = c_attention(cache_dir=kernel_cache)
     for window in (0, GEMMA3_WINDOW):
-        want = np_decode_attention(q, caches, 0, lengths, window)
-        np.testing.assert_allclose(c_attention(q, caches, 0, lengths, window), want, rtol=1e-4, atol=1e-5)
-    assert np.abs(np_decode_attention(q, caches, 0, lengths, 0) - want).max() > 1e-3
+        want = np_attention(q, caches, 0, lengths, counts, window)
+        np.testing.assert_allclose(attention(q, caches, 0, lengths, counts, window), want, rtol=1e-4, atol=1e-5)
+    assert np.abs(np_attention(q, caches, 0, lengths, counts, 0) - want).max() > 1e-3
 
 
 def test_a_gemma_file_without_a_template_chats_in_gemma_turns(gemma):
