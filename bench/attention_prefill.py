@@ -45,7 +45,8 @@ def main() -> None:
     engine_threads(engine)
     c = build(model, engine).ops
     arms = {"c": c, "numpy": dataclasses.replace(c, attention=DecoderOps().attention)}
-    print(f"{fingerprint()['cpu_model']}; {args.model}, linear {args.linear}, {args.threads} threads, chunks of {args.chunk}")
+    print(f"{fingerprint()['cpu_model']}; {args.model}, linear {args.linear}, {args.threads} threads, "
+          f"chunks of {args.chunk}")
     rng = np.random.default_rng(0)
     ids = rng.integers(100, model.config.vocab - 100, 63).tolist()
     for name, ops in arms.items():

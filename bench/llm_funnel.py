@@ -6,7 +6,10 @@ Arms (all on configs/matmul_cpu_selfhosted.yaml, at a smaller matmul so evaluati
 - ``params-structured``: llm_params alone, the space's JSON schema sent as ``response_format`` (the server
   enforces it token by token);
 - ``params-prompt``: llm_params alone, JSON asked for in the prompt only (``structured_output: off``);
-- ``code``: llm_diff and llm_rewrite (free text: SEARCH/REPLACE blocks and fenced code);
+- ``diff-structured``: llm_diff alone, its line-range edits' JSON schema sent as ``response_format`` (from and to
+  can only be lines the parent has);
+- ``diff-prompt``: llm_diff alone, SEARCH/REPLACE blocks asked for in the prompt only;
+- ``rewrite``: llm_rewrite alone (one fenced block of code);
 - ``params-scripted``: llm_params against a scripted endpoint that answers a random valid point of the space
   (what the pipeline gives a perfect answerer);
 - ``classical``: mutate, crossover and random with the same number of evaluations as ``params-structured``.
@@ -116,6 +119,11 @@ def served(model: Path, threads: int, log: Path) -> Iterator[str]:
             proc.kill()
 
 
+CODE_ARMS = {"diff-structured": "llm_diff", "diff-prompt": "llm_diff", "rewrite": "llm_rewrite"}
+"""The code arms: llm_diff with its line-range schema enforced, llm_diff asked for SEARCH/REPLACE blocks in the
+prompt alone, llm_rewrite (a fenced block: no schema)."""
+
+
 def arm_config(url: str, model_id: str, arm: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg = yaml.safe_load(CONFIG.read_text())
     cfg["task"]["args"] = {"m": args.n, "n": args.n, "k": args.n, "threads": 1}
@@ -132,9 +140,10 @@ def arm_config(url: str, model_id: str, arm: str, args: argparse.Namespace) -> d
         del cfg["llm"]
         cfg["budget"] = {"max_evals": args.proposals + 2, "max_time": args.max_time}
         return cfg
-    if arm == "code":
-        search["operators"] = {"weights": {"llm_diff": 1.0, "llm_rewrite": 1.0}}
+    if arm in CODE_ARMS:
+        search["operators"] = {"weights": {CODE_ARMS[arm]: 1.0}}
         model["max_tokens"] = args.code_max_tokens
+        model["structured_output"] = "off" if arm == "diff-prompt" else "on"
         proposals = args.code_proposals
     else:
         search["operators"] = {"weights": {"llm_params": 1.0}}
@@ -163,7 +172,7 @@ def run_arm(arm: str, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--proposals", type=int, default=60, help="llm_params proposals per params arm")
-    ap.add_argument("--code-proposals", type=int, default=20, help="evaluations of the code arm at most")
+    ap.add_argument("--code-proposals", type=int, default=20, help="evaluations of each code arm at most")
     ap.add_argument("--max-time", type=float, default=900.0, help="seconds per arm at most")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per llm_params answer at most")
     ap.add_argument("--code-max-tokens", type=int, default=768, help="tokens per llm_diff/llm_rewrite answer at most")
@@ -171,8 +180,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=256, help="the matmul's size (m = n = k)")
     ap.add_argument("--threads", type=int, default=2, help="the server's threads")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arms", nargs="+", default=["params-structured", "params-prompt", "params-scripted", "code",
-                                                  "classical"])  # fmt: skip
+    ap.add_argument("--arms", nargs="+", default=["params-structured", "params-prompt", "params-scripted",
+                                                  *CODE_ARMS, "classical"])  # fmt: skip
     ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()

@@ -1,4 +1,5 @@
-"""Reading model answers into sources: SEARCH/REPLACE diffs, whole evolve blocks, JSON objects.
+"""Reading model answers into sources: SEARCH/REPLACE diffs, line-range edits as JSON, whole evolve blocks, JSON
+objects.
 
 Every edit lands strictly inside an evolve block (``EVOLVE-BLOCK-START`` ... ``EVOLVE-BLOCK-END``); an
 answer that cannot be applied raises :class:`Rejected` with a reason short enough to show the model.
@@ -13,8 +14,8 @@ from typing import Any
 
 from genome import EVOLVE_END, EVOLVE_START, evolve_blocks
 
-__all__ = ["Edit", "Rejected", "apply_edits", "check_outside", "extract_code", "extract_json", "parse_edits",
-           "splice_blocks"]
+__all__ = ["Edit", "Rejected", "anchor_lines", "apply_edits", "apply_json_edits", "check_outside", "edits_schema",
+           "extract_code", "extract_json", "parse_edits", "splice_blocks"]
 
 _SEARCH = re.compile(r"^\s*<{5,}\s*SEARCH\s*$")
 _SEP = re.compile(r"^\s*={5,}\s*$")
@@ -55,6 +56,93 @@ def parse_edits(text: str) -> list[Edit]:
     if not edits:
         raise Rejected("no SEARCH/REPLACE block found (answer with <<<<<<< SEARCH / ======= / >>>>>>> REPLACE)")
     return edits
+
+
+MAX_EDITS = 4
+"""Edits a JSON answer may hold."""
+
+
+def anchor_lines(source: str) -> list[str]:
+    """The lines of ``source`` an edit may name as its first or last: non-blank, inside an evolve block, and
+    found once in the whole source (a copy names one place), in order."""
+    lines = [line.rstrip() for line in source.splitlines()]
+    seen: dict[str, int] = {}
+    for line in lines:
+        seen[line] = seen.get(line, 0) + 1
+    try:
+        blocks = evolve_blocks(source)
+    except ValueError:
+        return []
+    inside = [lines[i] for a, b in blocks for i in range(a, b)]
+    return [x for x in inside if x.strip() and seen[x] == 1 and EVOLVE_START not in x and EVOLVE_END not in x]
+
+
+def edits_schema(source: str, *, max_chars: int = 12000) -> dict[str, Any] | None:
+    """The JSON schema of line-range edits to ``source``: ``{"edits": [{"from", "to", "replace"}]}``, ``from`` and
+    ``to`` each one of its :func:`anchor_lines` (so an endpoint that enforces the schema can only name lines that
+    exist, exactly once), ``replace`` any text. ``None`` where no line can be named, or the lines would make a
+    schema over ``max_chars``."""
+    anchors = anchor_lines(source)
+    if not anchors:
+        return None
+    line = {"enum": anchors}
+    schema = {"type": "object", "additionalProperties": False, "required": ["edits"], "properties": {
+        "edits": {"type": "array", "minItems": 1, "maxItems": MAX_EDITS, "items": {
+            "type": "object", "additionalProperties": False, "required": ["from", "to", "replace"],
+            "properties": {"from": line, "to": line, "replace": {"type": "string"}}}}}}  # fmt: skip
+    return schema if len(json.dumps(schema)) <= max_chars else None
+
+
+def apply_json_edits(source: str, text: str) -> str:
+    """``source`` with the edits of a JSON answer ``{"edits": [{"from": LINE, "to": LINE, "replace": TEXT}]}``: each
+    replaces the parent's lines from ``from`` through ``to`` (both included, each found once, within one evolve
+    block) by ``replace``'s lines. Every range names the parent's own lines, so the edits apply together: one that
+    repeats an earlier edit's range is left out, one that overlaps another's is rejected, and one that changes
+    nothing is left out (all of them changing nothing is rejected)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise Rejected(f"invalid JSON: {exc}") from None
+    items = value.get("edits") if isinstance(value, dict) else None
+    if not isinstance(items, list) or not items:
+        raise Rejected('the JSON must be {"edits": [{"from": ..., "to": ..., "replace": ...}, ...]}')
+    lines = source.splitlines()
+    bare = [line.rstrip() for line in lines]
+    try:
+        blocks = evolve_blocks(source)
+    except ValueError as exc:
+        raise Rejected(f"unbalanced evolve-block markers: {exc}") from None
+    ranges: dict[tuple[int, int], list[str]] = {}
+    for n, item in enumerate(items[:MAX_EDITS], 1):
+        if not isinstance(item, dict) or not all(isinstance(item.get(k), str) for k in ("from", "to", "replace")):
+            raise Rejected(f"edit {n}: give from, to and replace, each a string")
+        where = []
+        for key in ("from", "to"):
+            hits = [i for i, x in enumerate(bare) if x == item[key].rstrip()]
+            if len(hits) != 1:
+                found = "is not a line of" if not hits else f"is found {len(hits)} times in"
+                raise Rejected(f"edit {n}: {key} {item[key].strip()[:80]!r} {found} the parent; copy one line exactly")
+            where.append(hits[0])
+        first, last = where
+        if last < first:
+            raise Rejected(f"edit {n}: to (line {last + 1}) comes before from (line {first + 1})")
+        if not any(a <= first and last < b for a, b in blocks):
+            raise Rejected(f"edit {n}: lines {first + 1}-{last + 1} are not inside one evolve block")
+        new = item["replace"].splitlines()
+        if any(EVOLVE_START in r or EVOLVE_END in r for r in new):
+            raise Rejected(f"edit {n}: evolve-block markers may not be edited")
+        if (first, last) in ranges or [x.rstrip() for x in new] == bare[first : last + 1]:
+            continue  # a repeat, or no change
+        clash = next(((a, b) for a, b in ranges if a <= last and first <= b), None)
+        if clash is not None:
+            raise Rejected(f"edit {n}: lines {first + 1}-{last + 1} overlap another edit's lines "
+                           f"{clash[0] + 1}-{clash[1] + 1}")
+        ranges[(first, last)] = new
+    if not ranges:
+        raise Rejected("the edits change nothing")
+    for (first, last), new in sorted(ranges.items(), reverse=True):
+        lines[first : last + 1] = new
+    return "\n".join(lines) + ("\n" if source.endswith("\n") else "")
 
 
 def _find(lines: list[str], search: list[str]) -> list[int]:

@@ -12,12 +12,22 @@ import json
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 import numpy as np
 
 from archive import AddStatus, Candidate, Store
-from evo.llm.diff import Rejected, apply_edits, extract_code, extract_json, parse_edits, splice_blocks
+from evo.llm.diff import (
+    Rejected,
+    apply_edits,
+    apply_json_edits,
+    edits_schema,
+    extract_code,
+    extract_json,
+    parse_edits,
+    splice_blocks,
+)
 from evo.llm.prompt import PromptBook, base_source, render_prompt
 from evo.llm.session import Draft, LLMSession
 from evo.operators import Operator, Proposal, ProposalContext
@@ -25,6 +35,10 @@ from genome import Genome, ParamSpace
 from runtime import Status, Task
 
 __all__ = ["LLMDiff", "LLMOperator", "LLMParams", "LLMRewrite", "outcome_of"]
+
+_FORMATS = {name: resources.files("evo.llm").joinpath(f"prompts/{name}.txt").read_text().strip()
+            for name in ("diff_format_blocks", "diff_format_json")}  # fmt: skip
+"""The diff prompt's answer format: line ranges as JSON where the endpoint enforces the schema, else blocks."""
 
 
 def outcome_of(status: Status | str, add_status: AddStatus | str) -> str:
@@ -118,14 +132,25 @@ class LLMOperator(Operator):
 
 
 class LLMDiff(LLMOperator):
-    """SEARCH/REPLACE edits applied strictly inside the parent's evolve blocks."""
+    """Edits applied strictly inside the parent's evolve blocks: line ranges as JSON where the endpoint enforces a
+    schema (one that names only lines the parent has), SEARCH/REPLACE blocks where it does not."""
 
     name, kind = "llm_diff", "diff"
 
+    def schema(self, ctx: ProposalContext) -> dict[str, Any] | None:
+        assert ctx.task is not None
+        return edits_schema(self.parent_source(ctx.parents[0], ctx.task))
+
+    def extra_fields(self, ctx: ProposalContext) -> dict[str, str]:
+        json_edits = self.schema(ctx) is not None and self.session.sends_schema()
+        return {"answer_format": _FORMATS["diff_format_json" if json_edits else "diff_format_blocks"]}
+
     def read(self, text: str, parent: Candidate, ctx: ProposalContext) -> Genome:
         assert ctx.task is not None
-        source = apply_edits(self.parent_source(parent, ctx.task), parse_edits(text))
-        return Genome(params=parent.params, source=source)
+        source = self.parent_source(parent, ctx.task)
+        if text.lstrip().startswith("{") and "<<<<<<<" not in text:
+            return Genome(params=parent.params, source=apply_json_edits(source, text))
+        return Genome(params=parent.params, source=apply_edits(source, parse_edits(text)))
 
 
 class LLMRewrite(LLMOperator):

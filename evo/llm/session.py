@@ -81,6 +81,11 @@ class LLMSession:
         budget = self.settings.token_budget
         return budget is not None and self.tokens_used >= budget
 
+    def sends_schema(self) -> bool:
+        """Whether every model would be sent an answer's JSON schema now (``structured_output`` on, or auto and not
+        refused yet): a prompt may then describe the JSON the endpoint enforces."""
+        return all(c.response_format({"type": "object"}) is not None for c in self.clients)
+
     def ask(self, messages: list[dict[str, Any]], rng: np.random.Generator,
             tools: list[dict[str, Any]] | None = None, schema: dict[str, Any] | None = None) -> Draft:
         """One answer for ``messages`` (``draft.answer`` is ``None`` with ``draft.reason`` when there is none);

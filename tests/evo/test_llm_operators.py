@@ -76,8 +76,37 @@ def test_a_valid_diff_applies_inside_the_evolve_block(tmp_path):
     assert calls[0]["tokens_in"] > 0 and calls[0]["tokens_out"] == 50 and calls[0]["model"] == "scripted"
     assert fake.auth == [f"Bearer {SECRET}"]  # read from the named variable at call time
     prompt = user_prompt(fake.requests[0])
-    for part in ("void kernel(int M", "vs_reference 0.050x", "test cpu", "<<<<<<< SEARCH", NAIVE_LOOP):
-        assert part in prompt
+    for part in ("void kernel(int M", "vs_reference 0.050x", "test cpu", '{"edits": [{"from"', NAIVE_LOOP):
+        assert part in prompt  # the endpoint is sent the edits' schema (structured_output auto): JSON is asked for
+
+
+def _json_edits(*edits: tuple[str, str, str]) -> str:
+    return json.dumps({"edits": [{"from": a, "to": b, "replace": r} for a, b, r in edits]})
+
+
+def test_diffs_as_json_line_ranges_name_only_lines_the_parent_has(tmp_path):
+    """The diff's schema offers as from/to only the lines of the parent's evolve block found once in its source;
+    a JSON answer replaces the range it names; one naming a line that is not there, or a range backwards, is
+    rejected with the reason. With structured_output off the prompt asks for SEARCH/REPLACE blocks."""
+    first, last = NAIVE_LOOP.splitlines()[0], NAIVE_LOOP.splitlines()[-1]
+    answers = [_json_edits((first, last, FAST_LOOP)), _json_edits(("for (;;) {", last, "x")),
+               _json_edits((last, first, "x"))]  # fmt: skip
+    with FakeLLM([Reply(text=a) for a in answers]) as fake:
+        op = LLMDiff(session(fake.url, retry_rejected=False), PromptBook(PromptSettings()), hardware={})
+        got = [op.propose(ctx(parent())) for _ in answers]
+        schema = fake.requests[0]["response_format"]["json_schema"]["schema"]
+    anchors = schema["properties"]["edits"]["items"]["properties"]["from"]["enum"]
+    assert first.rstrip() in anchors and last.rstrip() in anchors
+    inside = NAIVE.split("EVOLVE-BLOCK-START */")[1].split("/* EVOLVE-BLOCK-END")[0].splitlines()
+    assert set(anchors) <= {x.rstrip() for x in inside} and all(NAIVE.count(a + "\n") == 1 for a in anchors)
+    assert got[0].genome is not None and FAST_LOOP in got[0].genome.source and NAIVE_LOOP not in got[0].genome.source
+    assert got[1].genome is None and got[2].genome is None
+    with FakeLLM([Reply(text=diff_answer(NAIVE_LOOP, FAST_LOOP))]) as fake:
+        model = ModelSettings(base_url=fake.url, model="scripted", api_key_env=KEY_ENV, structured_output="off")
+        op = LLMDiff(LLMSession(LLMSettings(models=[model]), cache=ResponseCache()), PromptBook(PromptSettings()),
+                     hardware={})  # fmt: skip
+        assert op.propose(ctx(parent())).genome is not None
+        assert "response_format" not in fake.requests[0] and "<<<<<<< SEARCH" in user_prompt(fake.requests[0])
 
 
 @pytest.mark.parametrize(

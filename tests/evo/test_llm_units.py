@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -13,7 +15,18 @@ from evo.bandit import OperatorBandit
 from evo.config import parse_config
 from evo.errors import UserError
 from evo.llm.agentic import bound_messages
-from evo.llm.diff import Edit, Rejected, apply_edits, check_outside, extract_json, parse_edits, splice_blocks
+from evo.llm.diff import (
+    Edit,
+    Rejected,
+    anchor_lines,
+    apply_edits,
+    apply_json_edits,
+    check_outside,
+    edits_schema,
+    extract_json,
+    parse_edits,
+    splice_blocks,
+)
 from evo.llm.prompt import PromptBook, render_prompt
 from evo.llm.settings import PromptSettings
 from runtime import Status
@@ -26,6 +39,38 @@ line = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=30).fi
 def test_an_edit_inside_the_block_applies_and_the_rest_is_kept():
     out = apply_edits(SRC, parse_edits("<<<<<<< SEARCH\n  y += 1;\n=======\n  y += 2;\n>>>>>>> REPLACE"))
     assert out == SRC.replace("y += 1", "y += 2")
+
+
+TWICE = ("int f(int x) {\n  int y = x;\n  /* EVOLVE-BLOCK-START */\n  int y = x;\n  y += 1;\n\n  y *= 2;\n"
+         "  /* EVOLVE-BLOCK-END */\n  return y;\n}\n")  # fmt: skip
+
+
+def _edits(*edits: tuple[str, str, str]) -> str:
+    return json.dumps({"edits": [{"from": a, "to": b, "replace": r} for a, b, r in edits]})
+
+
+def test_json_edits_name_lines_found_once_inside_a_block():
+    """Anchors: non-blank lines inside a block found once in the source (not a copy of a line outside it, nor the
+    markers). Ranges name the parent's lines, so edits apply together: a repeat or a no-op is left out, an overlap
+    is rejected; every other unusable answer is rejected with the reason."""
+    assert anchor_lines(TWICE) == ["  y += 1;", "  y *= 2;"]
+    assert edits_schema(TWICE)["properties"]["edits"]["items"]["properties"]["to"]["enum"] == anchor_lines(TWICE)
+    assert edits_schema("int f() { return 0; }\n") is None  # no evolve block: nothing to name
+    whole = _edits(("  y += 1;", "  y *= 2;", "  y = 2 * y + 2;"))
+    assert apply_json_edits(TWICE, whole) == TWICE.replace("  y += 1;\n\n  y *= 2;", "  y = 2 * y + 2;")
+    both = _edits(("  y += 1;", "  y += 1;", "  y += 3;"), ("  y *= 2;", "  y *= 2;", "  y *= 4;"),
+                  ("  y += 1;", "  y += 1;", "  y += 5;"), ("  y *= 2;", "  y *= 2;", "  y *= 2;"))
+    assert apply_json_edits(TWICE, both) == TWICE.replace("y += 1", "y += 3").replace("y *= 2", "y *= 4")
+    for answer, reason in [(_edits(("  int y = x;", "  y += 1;", "")), "found 2"),
+                           (_edits(("  y *= 2;", "  y += 1;", "")), "comes before"),
+                           (_edits(("y", "  y += 1;", "")), "is not a line"),
+                           (_edits(("  y += 1;", "  y *= 2;", "a"), ("  y *= 2;", "  y *= 2;", "b")), "overlap"),
+                           (_edits(("  y += 1;", "  y += 1;", "  y += 1;")), "change nothing"),
+                           (_edits(("  y += 1;", "  y += 1;", "/* EVOLVE-BLOCK-END */")), "markers"),
+                           ('{"edits": []}', "must be"), ('{"edits": [{"from": 3}]}', "each a string"),
+                           ('{"edits": [', "invalid JSON")]:  # fmt: skip
+        with pytest.raises(Rejected, match=reason):
+            apply_json_edits(TWICE, answer)
 
 
 @pytest.mark.parametrize(("edit", "reason"), [
