@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runtime.decoder import ChatTemplateError, ContextFull, DoesNotFit, QueueFull, SamplingParams, SchedulerClosed
 from runtime.decoder.grammar import Grammar, GrammarError, json_schema_grammar
 from serving._errors import APIError, errors
 from serving._http import hung_up
+from serving._tools import NamedToolChoice, Tool, ToolCall, ToolChoice, call_text, calls_schema, read_call, tools_prompt
 
 if TYPE_CHECKING:
     from runtime.decoder import Chunk, Generation, Prompt, Tokenizer
@@ -53,12 +54,34 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart] = Field(description="text, or text parts (joined)")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(None, description="text, or text parts (joined); only an assistant "
+                                                 "turn with tool_calls may leave it out")  # fmt: skip
     name: str | None = Field(None, description="accepted and not shown to the model")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant turn's calls (shown to the model as "
+                                              "it writes them)")  # fmt: skip
+    tool_call_id: str | None = Field(None, description="a tool turn's: the call it answers")
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message with tool_calls: only an assistant turn makes calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message without content: give its text")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def turn(self) -> dict[str, str]:
+        """The message as the chat template takes it: calls as the JSON the model writes, a tool's result as a user
+        turn."""
+        if self.role == "tool":
+            return {"role": "user", "content": f"Tool result: {self.text()}"}
+        calls = [call_text(c) for c in self.tool_calls or ()]
+        return {"role": self.role, "content": "\n".join(filter(None, [self.text(), *calls]))}
 
 
 class StreamOptions(BaseModel):
@@ -97,6 +120,12 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: ResponseFormat | None = Field(None, description="structured output, enforced token by token: "
                                                    "the answer is JSON of the format, ended by the model's end token "
                                                    "(or cut at max_tokens)")  # fmt: skip
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=128, description="functions the model may "
+                                     "call (described to it in a system message)")  # fmt: skip
+    tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools: a call where the "
+                                           "answer is one), required (a call of one of them, enforced token by "
+                                           "token), or a function named (a call of it, enforced)")  # fmt: skip
+    parallel_tool_calls: bool | None = Field(None, description="accepted: an answer makes one call at most")
 
 
 class JsonSchema(BaseModel):
@@ -151,6 +180,7 @@ class _Reply:
     prompt_tokens: int
     include_usage: bool = False
     tokenizer: Tokenizer | None = None
+    tools: list[Tool] | None = None  # offered: an answer that is a call of one of them is sent as the call
 
     def logprob(self, chunk: Chunk) -> dict[str, Any]:
         """``chunk``'s token in OpenAI's ``logprobs.content`` shape."""
@@ -177,11 +207,19 @@ class _Reply:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}  # fmt: skip
 
+    def call(self, text: str, finish: str) -> ToolCall | None:
+        """The tool call a whole answer is, where tools were offered and it ended as one."""
+        return read_call(text, self.tools) if self.tools and finish == "stop" else None
+
     def whole(self, text: str, finish: str, completion_tokens: int,
               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(logprobs), "finish_reason": finish}  # fmt: skip
+            call = self.call(text, finish)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if call is not None:
+                message = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
+                finish = "tool_calls"
+            choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         kind = "chat.completion" if self.chat else "text_completion"
@@ -196,6 +234,15 @@ class _Reply:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+    def call_chunk(self, call: ToolCall) -> str:
+        """The streamed chunk of a whole call (its arguments in one piece), finishing the answer."""
+        delta = {"tool_calls": [{"index": 0, **call.model_dump()}]}
+        body = {**self._head("chat.completion.chunk"),
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"}]}
         if self.include_usage:
             body["usage"] = None
         return _sse(body)
@@ -224,7 +271,15 @@ async def _events(gen: Generation, reply: _Reply, clock: _Clock) -> AsyncIterato
             yield reply.chunk(role=True)
         pending: list[dict[str, Any]] = []  # log-probabilities of tokens whose text is not settled yet
         try:
-            async for chunk in gen:
+            if reply.tools:  # a call is known only once the answer is whole: it comes in one chunk
+                text, finish, tokens, logprobs = await _collect(gen, reply, clock)
+                call = reply.call(text, finish)
+                if call is not None:
+                    yield reply.call_chunk(call)
+                else:
+                    yield reply.chunk(text, logprobs=logprobs)
+                    yield reply.chunk(finish=finish)
+            async for chunk in gen if not reply.tools else _nothing():
                 clock.tick(chunk)
                 tokens = chunk.tokens
                 if chunk.logprob is not None:
@@ -242,6 +297,11 @@ async def _events(gen: Generation, reply: _Reply, clock: _Clock) -> AsyncIterato
         yield "data: [DONE]\n\n"
     finally:
         gen.cancel()  # a client gone mid-stream: its cache is freed (nothing to do once it has finished)
+
+
+async def _nothing() -> AsyncIterator[Any]:
+    return
+    yield
 
 
 async def _collect(gen: Generation, reply: _Reply, clock: _Clock) -> tuple[str, str, int, list[dict[str, Any]]]:
@@ -286,7 +346,8 @@ def _submit(state: ChatState, ids: list[int], params: SamplingParams) -> Generat
 
 
 async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, max_tokens: int | None, *,
-                    chat: bool, logprobs: int | None = None, grammar: Grammar | None = None) -> Response:  # fmt: skip
+                    chat: bool, logprobs: int | None = None, grammar: Grammar | None = None,
+                    tools: list[Tool] | None = None) -> Response:  # fmt: skip
     state: ChatState = request.app.state.serving
     arrived = time.perf_counter()
     where = "messages" if chat else "prompt"
@@ -326,7 +387,7 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: Prompt, 
     state.metrics.prompt_tokens.inc(len(ids))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     reply = _Reply(chat, body.model or state.model_ids[0], len(ids), include_usage,
-                   decoder.tokenizer if logprobs is not None else None)  # fmt: skip
+                   decoder.tokenizer if logprobs is not None else None, tools)  # fmt: skip
     clock = _Clock(state.metrics, arrived)
     if body.stream:
         return StreamingResponse(_events(gen, reply, clock), media_type="text/event-stream",
@@ -340,13 +401,48 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ``data: [DONE]``)."""
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    if body.ignore_eos and not isinstance(body.response_format, TextFormat | None):
-        raise APIError(400, "ignore_eos with a structured response_format: a structured answer ends at the model's "
-                       "end token", param="response_format")  # fmt: skip
-    grammar = await _grammar(request.app.state.serving, body.response_format)
+    tools, required = _offered(body)
+    messages = [m.turn() for m in body.messages]
+    if tools:
+        messages.insert(0, {"role": "system", "content": tools_prompt(tools, required=required)})
+    structured = not isinstance(body.response_format, TextFormat | None)
+    if body.ignore_eos and (structured or required):
+        raise APIError(400, "ignore_eos with a structured response_format or a required tool call: a structured "
+                       "answer ends at the model's end token", param="response_format" if structured else "tool_choice")
+    state = request.app.state.serving
+    if required:
+        if structured:
+            raise APIError(400, "a required tool call and a response_format: an answer is one or the other",
+                           param="tool_choice")  # fmt: skip
+        grammar = await _grammar(state, calls_schema(tools), "tools")
+    else:
+        fmt = body.response_format
+        schema = fmt.json_schema.schema_ if isinstance(fmt, JsonSchemaFormat) else None
+        grammar = await _grammar(state, schema, "response_format") if structured else None
     return await _generate(request, body, messages, body.max_completion_tokens or body.max_tokens, chat=True,
-                           logprobs=(body.top_logprobs or 0) if body.logprobs else None, grammar=grammar)  # fmt: skip
+                           logprobs=(body.top_logprobs or 0) if body.logprobs else None, grammar=grammar,
+                           tools=tools)  # fmt: skip
+
+
+def _offered(body: ChatCompletionRequest) -> tuple[list[Tool], bool]:
+    """The tools the model may call (none under ``tool_choice: none``), and whether it must call one."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice is not None and choice != "none":
+            raise APIError(400, "tool_choice without tools: offer the functions in tools", param="tool_choice")
+        return [], False
+    names = [t.function.name for t in body.tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools: two functions share a name", param="tools")
+    if choice == "none":
+        return [], False
+    if isinstance(choice, NamedToolChoice):
+        named = [t for t in body.tools if t.function.name == choice.function.name]
+        if not named:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which tools does not offer",
+                           param="tool_choice")  # fmt: skip
+        return named, True
+    return list(body.tools), choice == "required"
 
 
 _COMPILE_WAIT_S = 60.0
@@ -354,20 +450,17 @@ _COMPILE_WAIT_S = 60.0
 _COMPILER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="evoforge-grammar")
 
 
-async def _grammar(state: ChatState, fmt: TextFormat | JsonObjectFormat | JsonSchemaFormat | None) -> Grammar | None:
-    """The compiled grammar of a structured ``response_format`` (None for text). Schemas compile one at a time, so
-    requests with new schemas cannot take every core from generation."""
-    if fmt is None or isinstance(fmt, TextFormat):
-        return None
-    schema = fmt.json_schema.schema_ if isinstance(fmt, JsonSchemaFormat) else None
+async def _grammar(state: ChatState, schema: dict[str, Any] | None, param: str) -> Grammar:
+    """The compiled grammar of JSON of ``schema`` (None: any JSON object), for the request's field ``param``.
+    Schemas compile one at a time, so requests with new schemas cannot take every core from generation."""
     work = asyncio.get_running_loop().run_in_executor(
         _COMPILER, json_schema_grammar, state.scheduler.decoder.tokenizer, schema)
     try:
         return await asyncio.wait_for(asyncio.shield(work), _COMPILE_WAIT_S)
     except GrammarError as exc:
-        raise APIError(400, f"response_format: {exc}", param="response_format") from None
+        raise APIError(400, f"{param}: {exc}", param=param) from None
     except TimeoutError:
-        raise APIError(503, f"response_format: the schema did not compile within {_COMPILE_WAIT_S:g} s (it goes on "
+        raise APIError(503, f"{param}: the schema did not compile within {_COMPILE_WAIT_S:g} s (it goes on "
                        "compiling; the same schema is ready later)", code="schema_compiling") from None
 
 

@@ -135,8 +135,8 @@ class LLMClient:
                     raise LLMUnavailable(f"no answer within the {s.timeout:g} s deadline")
                 kw: dict[str, Any] = {"model": s.model, "messages": messages, "temperature": s.temperature,
                                       "max_tokens": s.max_tokens, "timeout": left}
-                if tools:
-                    kw["tools"] = tools
+                if tools:  # the agent's every turn is a call (a server that enforces it holds small models to one)
+                    kw["tools"], kw["tool_choice"] = tools, "required"
                 if response_format is not None:
                     kw["response_format"] = response_format
                 try:

@@ -186,6 +186,51 @@ def test_the_search_clients_parameter_schema_is_enforced_by_the_chat_server(serv
         assert list(values) == list(space.params) and all(space.params[k].contains(v) for k, v in values.items())
 
 
+TOOLS = [{"type": "function", "function": {"name": "benchmark", "description": "Time a kernel.", "parameters": {
+             "type": "object", "properties": {"source": {"type": "string", "maxLength": 40}}, "required": ["source"]}}},
+         {"type": "function", "function": {"name": "tile", "parameters": {
+             "type": "object", "properties": {"rows": {"enum": [1, 2, 4]}}, "required": ["rows"]}}}]  # fmt: skip
+
+
+def test_a_required_tool_call_is_one_of_the_offered_functions_with_arguments_of_its_schema(server: Server) -> None:
+    """tool_choice required: a random-weight model's answer, held token by token, is a call of an offered function
+    with arguments of its schema, whole and streamed alike (the official client reads both); a named function is
+    the one called. A history with calls and tool results is taken."""
+    client = _client(server)
+    for seed in range(5):
+        got = client.chat.completions.create(model="tiny-chat", messages=CHATS[0], max_tokens=96, temperature=1.0,
+                                             seed=seed, tools=TOOLS, tool_choice="required")  # fmt: skip
+        choice = got.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.id.startswith("call_") and call.type == "function"
+        if call.function.name == "tile":
+            assert args["rows"] in (1, 2, 4)
+        else:
+            assert call.function.name == "benchmark" and isinstance(args["source"], str) and len(args["source"]) <= 40
+        if seed == 0:
+            first = call
+    streamed = list(client.chat.completions.create(model="tiny-chat", messages=CHATS[0], max_tokens=96,
+                                                   temperature=1.0, seed=0, tools=TOOLS, tool_choice="required",
+                                                   stream=True))  # fmt: skip
+    (delta,) = [c.choices[0].delta.tool_calls[0] for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+    assert (delta.function.name, delta.function.arguments) == (first.function.name, first.function.arguments)
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    named = client.chat.completions.create(model="tiny-chat", messages=CHATS[0], max_tokens=96, temperature=1.0,
+                                           seed=1, tools=TOOLS,
+                                           tool_choice={"type": "function", "function": {"name": "tile"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "tile"
+    history = [*CHATS[0], {"role": "assistant", "content": None, "tool_calls": [first.model_dump()]},
+               {"role": "tool", "tool_call_id": first.id, "content": "42.0 GFLOP/s"}]
+    again = client.chat.completions.create(model="tiny-chat", messages=history, max_tokens=96, temperature=1.0, seed=2,
+                                           tools=TOOLS, tool_choice="required")  # fmt: skip
+    assert again.choices[0].finish_reason == "tool_calls"
+    free = client.chat.completions.create(model="tiny-chat", messages=CHATS[0], max_tokens=24, temperature=1.0, seed=0,
+                                          tools=TOOLS)  # fmt: skip
+    assert free.choices[0].finish_reason in ("stop", "length") and free.choices[0].message.tool_calls is None
+
+
 def test_json_mode_answers_an_object(server: Server) -> None:
     got = _client(server).chat.completions.create(model="tiny-chat", messages=CHATS[1], max_tokens=48, temperature=0,
                                                   response_format={"type": "json_object"})  # fmt: skip
@@ -274,6 +319,19 @@ BAD = [
      "response_format"),
     ("ignore_eos with a response_format", CHAT,
      {"messages": USER, "ignore_eos": True, "response_format": {"type": "json_object"}}, "response_format"),
+    ("tool_choice without tools", CHAT, {"messages": USER, "tool_choice": "required"}, "tool_choice"),
+    ("tool_choice naming no offered function", CHAT,
+     {"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice"),
+    ("two functions of one name", CHAT, {"messages": USER, "tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+    ("a required call and a response_format", CHAT,
+     {"messages": USER, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ("a tool with an unenforceable schema", CHAT,
+     {"messages": USER, "tool_choice": "required", "tools": [
+         {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/nowhere"}}}]}, "tools"),
+    ("tool_calls on a user turn", CHAT, {"messages": [{"role": "user", "content": "hi", "tool_calls": []}]},
+     "messages.0"),
     ("token-id prompt", "/v1/completions", {"prompt": [1, 2, 3]}, "prompt"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, "prompt"),
     ("no prompt", "/v1/completions", {"max_tokens": 3}, "prompt"),
