@@ -10,6 +10,8 @@ Arms (all on configs/matmul_cpu_selfhosted.yaml, at a smaller matmul so evaluati
   can only be lines the parent has);
 - ``diff-prompt``: llm_diff alone, SEARCH/REPLACE blocks asked for in the prompt only;
 - ``rewrite``: llm_rewrite alone (one fenced block of code);
+- ``agentic``: the agentic loop alone, every turn a tool call the server enforces (``--agentic-steps`` turns at
+  most per proposal);
 - ``params-scripted``: llm_params against a scripted endpoint that answers a random valid point of the space
   (what the pipeline gives a perfect answerer);
 - ``classical``: mutate, crossover and random with the same number of evaluations as ``params-structured``.
@@ -140,6 +142,12 @@ def arm_config(url: str, model_id: str, arm: str, args: argparse.Namespace) -> d
         del cfg["llm"]
         cfg["budget"] = {"max_evals": args.proposals + 2, "max_time": args.max_time}
         return cfg
+    if arm == "agentic":
+        search["operators"] = {"weights": {"agentic": 1.0}}
+        model["max_tokens"] = args.code_max_tokens
+        cfg["llm"]["agentic"] = {"max_steps": args.agentic_steps, "max_seconds": args.max_time, "max_tokens": 200000}
+        cfg["budget"] = {"max_evals": args.agentic_proposals + 2, "max_time": args.max_time}
+        return cfg
     if arm in CODE_ARMS:
         search["operators"] = {"weights": {CODE_ARMS[arm]: 1.0}}
         model["max_tokens"] = args.code_max_tokens
@@ -173,6 +181,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--proposals", type=int, default=60, help="llm_params proposals per params arm")
     ap.add_argument("--code-proposals", type=int, default=20, help="evaluations of each code arm at most")
+    ap.add_argument("--agentic-proposals", type=int, default=5, help="proposals of the agentic arm")
+    ap.add_argument("--agentic-steps", type=int, default=4, help="turns per agentic proposal at most")
     ap.add_argument("--max-time", type=float, default=900.0, help="seconds per arm at most")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per llm_params answer at most")
     ap.add_argument("--code-max-tokens", type=int, default=768, help="tokens per llm_diff/llm_rewrite answer at most")
@@ -181,7 +191,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="the server's threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", nargs="+", default=["params-structured", "params-prompt", "params-scripted",
-                                                  *CODE_ARMS, "classical"])  # fmt: skip
+                                                  *CODE_ARMS, "agentic", "classical"])  # fmt: skip
     ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()

@@ -26,11 +26,18 @@ MakeRequest = Callable[[Genome, str, str], EvalRequest]
 """``(genome, key, stages) -> EvalRequest`` for the run's task and evaluation settings."""
 
 
+_SHORT = 200
+"""The longest summary, id or query (a server that enforces the schema closes the string there: a small model that
+repeats itself still ends its call)."""
+
+
 def _spec(name: str, doc: str, **props: str) -> dict[str, Any]:
+    def prop(key: str, doc: str) -> dict[str, Any]:
+        return {"type": "string", "description": doc, **({} if key == "source" else {"maxLength": _SHORT})}
+
     return {"type": "function", "function": {
         "name": name, "description": doc,
-        "parameters": {"type": "object", "properties": {k: {"type": "string", "description": v}
-                                                        for k, v in props.items()},
+        "parameters": {"type": "object", "properties": {k: prop(k, v) for k, v in props.items()},
                        "required": list(props)}}}
 
 

@@ -117,3 +117,47 @@ def test_a_run_records_every_call_a_served_smollm2_answered(tmp_path: Path) -> N
         f"{time.monotonic() - t0:.1f} s in all, evo run {t_run:.1f} s; outcomes "
         f"{Counter((c['operator'], c['outcome']) for c in calls)}; reasons {[c['reason'] for c in calls]}"
     )
+
+
+AGENT = ("{parent}\n\nTools: compile(source), test(source), benchmark(source), show_candidate(id), "
+         "commit(source, summary). First call show_candidate with the parent's id, then commit. At most {max_steps} "
+         "turns.\n")  # fmt: skip
+
+
+def test_the_agentic_loop_runs_on_a_served_smollm2_with_enforced_tool_calls(tmp_path: Path) -> None:
+    """The agentic operator against `evo serve --gguf` of SmolLM2: its every turn asks for a tool call
+    (tool_choice required), the server holds the model to one of the offered tools with arguments of its schema, and
+    the loop runs what it called and feeds the results back. Every turn is recorded, the transcript stored."""
+    srv = start_server(None, "--gguf", str(smollm2_file()))
+    try:
+        cfg = short_config(tmp_path, srv.url)
+        (tmp_path / "agentic.txt").write_text(AGENT)
+        cfg["search"]["operators"] = {"weights": {"agentic": 1.0}}
+        cfg["budget"] = {"max_evals": 3, "max_time": 240}  # the two seeds, then one agentic proposal
+        cfg["llm"]["models"][0].update(max_tokens=160, timeout=120)
+        # the budget ends the run's model calls within the first proposal's turns (~600-1000 tokens each), so no
+        # call is in flight when the run ends
+        cfg["llm"].update(token_budget=2000, agentic={"max_steps": 3, "max_seconds": 200, "max_tokens": 20000})
+        cfg["llm"]["prompts"] = {"system": "system.txt", "agentic": "agentic.txt"}
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+        proc = subprocess.run([sys.executable, "-m", "evo", "run", "run.yaml", "--run-dir", "run"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        answered_by_server = chat_answers(srv)
+    finally:
+        stop(srv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with Run.open(tmp_path / "run") as rd:
+        calls = rd.store.llm_calls(operator="agentic")
+    answered = [c for c in calls if c["tokens_out"] > 0]
+    assert answered and len(answered) == answered_by_server, [(c["outcome"], c["reason"]) for c in calls]
+    assert all(c["outcome"] in KNOWN for c in calls)
+    transcript = json.loads(next(c["transcript"] for c in calls if c["transcript"]))
+    turns = [m for m in transcript if m["role"] == "assistant"]
+    # every answer is a call, or a call cut at max_tokens: the server held the model to the format
+    assert all(m.get("tool_calls") or m["content"].replace(" ", "").startswith('{"name":"') for m in turns), turns
+    made = [t["function"] for m in turns for t in m.get("tool_calls") or ()]
+    results = [m["content"] for m in transcript if m["role"] == "tool"]
+    assert made and len(results) == len(made), transcript
+    names = {"compile", "test", "benchmark", "show_candidate", "commit"}
+    assert all(f["name"] in names and isinstance(json.loads(f["arguments"]), dict) for f in made), made
+    print(f"calls {[(f['name'], f['arguments'][:60]) for f in made]}; results {[r[:80] for r in results]}")
