@@ -40,8 +40,9 @@ __all__ = ["serve"]
               help="--gguf: requests that wait for KV cache; more get 429")
 @click.option("--step-tokens", default=64, show_default=True, type=click.IntRange(min=1),
               help="--gguf: tokens one engine step runs (a token of each decoding request, then prompt chunks)")
-@click.option("--linear", default="numpy", show_default=True, metavar="numpy|PRECISION[:MATRIX=PRECISION,...]",
-              help="--gguf: what runs the weight GEMMs and the LM head: numpy (fp32, BLAS) or the linear slot's C "
+@click.option("--linear", default=None, metavar="numpy|PRECISION[:MATRIX=PRECISION,...]",
+              help="--gguf: what runs the weight GEMMs and the LM head [default: fp32 where this CPU runs its C "
+              "kernel (batch-invariant), else numpy]: numpy (fp32, BLAS) or the linear slot's C "
               "kernel in fp32, int8, bf16 or q8 (int8 with activations scaled per 32 values; weights quantised at "
               "load), a matrix (qkv, o, gate_up, down, "
               "lm_head) in another if named, e.g. int8:lm_head=fp32 (see the README for what each holds)")
@@ -58,7 +59,7 @@ __all__ = ["serve"]
 @click.pass_context
 def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: Path | None, elite: str, host: str,
           port: int, api_key_env: str | None, max_in_flight: int, drain_timeout: float, warmup: int,
-          body_timeout: float, kv_cache_mb: float, max_waiting: int, step_tokens: int, linear: str,
+          body_timeout: float, kv_cache_mb: float, max_waiting: int, step_tokens: int, linear: str | None,
           slots: str, kv_dtype: str, threads: int | None, max_running: int) -> None:
     """Serve RUN_DIR's engine elite: OpenAI-compatible /v1/embeddings, archive queries, kernel invocation,
     /health, /ready, /metrics. A run that is not an engine run (or has no ok engine candidate) is served
@@ -87,7 +88,8 @@ def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: P
             from runtime.decoder.engine import ChatEngine
 
             try:
-                engine = ChatEngine(linear=linear, slots=slots, kv_dtype=kv_dtype, step_tokens=step_tokens,
+                chosen = {} if linear is None else {"linear": linear}
+                engine = ChatEngine(**chosen, slots=slots, kv_dtype=kv_dtype, step_tokens=step_tokens,
                                     max_running=max_running, threads=threads)  # fmt: skip
             except ValidationError as exc:
                 err = exc.errors()[0]

@@ -30,7 +30,18 @@ from runtime.decoder.ops import DecoderOps
 from runtime.decoder.scheduler import SchedulerConfig
 from runtime.settings import CompilerSettings
 
-__all__ = ["ChatEngine", "EngineUnfit", "build", "engine_threads"]
+__all__ = ["ChatEngine", "EngineUnfit", "build", "default_linear", "engine_threads"]
+
+
+def default_linear() -> str:
+    """The GEMMs' default: fp32 on the linear slot's C kernel where this CPU runs one (measured faster than BLAS at
+    the decoder's shapes, in decode steps and prefill, and batch-invariant: a row's result does not depend on the
+    rows beside it), else numpy."""
+    try:
+        linear_task("fp32")
+    except DecoderKernelError:
+        return "numpy"
+    return "fp32"
 
 
 class EngineUnfit(ValueError):
@@ -46,7 +57,8 @@ class ChatEngine(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    linear: str = Field("numpy", description="what runs the weight GEMMs and the LM head: numpy (fp32, BLAS), or the "
+    linear: str = Field(default_factory=lambda: default_linear(), description="what runs the weight GEMMs and the LM "
+                        "head: numpy (fp32, BLAS), or the "
                         "linear slot's C kernel in PRECISION[:MATRIX=PRECISION,...] (fp32, int8, bf16, q8; "
                         "e.g. int8:lm_head=fp32)")  # fmt: skip
     slots: Literal["c", "numpy"] = Field("c", description="c: attention (batch-invariant) and RMSNorm on their "

@@ -144,10 +144,13 @@ class ChatEngineTask(Task):
         return ParamSpace(params, [])
 
     def seeds(self) -> list[Genome]:
-        """The default engine (``evo serve --gguf``'s: numpy GEMMs, C attention and RMSNorm), and with q8 kernels
-        and an f16 cache where q8 runs here (the fastest engine measured on SmolLM2 that holds the floor)."""
+        """The default engine (``evo serve --gguf``'s: fp32 C GEMMs where they run, C attention and RMSNorm), and
+        with q8 kernels and an f16 cache where q8 runs here (the fastest engine measured on SmolLM2 that holds the
+        floor)."""
         running = self.space().params["max_running"].high  # type: ignore[attr-defined]
         base = ChatEngine(threads=self.cores, max_running=min(64, running)).model_dump()
+        if base["linear"] not in self.linear_choices():  # the task's precisions leave the default out
+            base["linear"] = "numpy"
         seeds = [base]
         if "q8" in self.linear_choices():
             seeds.append({**base, "linear": "q8", "kv_dtype": "f16", "step_tokens": 32})

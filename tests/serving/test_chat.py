@@ -37,9 +37,11 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def decoder(tiny_gguf: Path):
-    from runtime.decoder import Decoder
+    """The engine the server runs by default, in this process."""
+    from runtime.decoder import load_decoder
+    from runtime.decoder.engine import ChatEngine, build
 
-    return Decoder.load(tiny_gguf)
+    return build(load_decoder(tiny_gguf), ChatEngine())
 
 
 @pytest.fixture(scope="module")
@@ -357,8 +359,10 @@ def test_malformed_bodies_unknown_models_and_keys(server: Server) -> None:
     for path in ("/health", "/ready", "/metrics"):
         assert server.call("GET", path, key=False)[0] == 200
     engine = server.call("GET", "/ready", key=False)[1]["engine"]
-    assert engine == {"linear": "numpy", "slots": "c", "kv_dtype": "fp32", "step_tokens": 64, "max_running": 64,
-                      "threads": None}  # the defaults
+    from runtime.decoder.engine import default_linear
+
+    assert engine == {"linear": default_linear(), "slots": "c", "kv_dtype": "fp32", "step_tokens": 64,
+                      "max_running": 64, "threads": None}  # the defaults
     status, got, _ = server.call("POST", CHAT, {"messages": USER, "max_tokens": 2, "model": "tiny-chat.gguf"})
     assert status == 200 and got["model"] == "tiny-chat.gguf"  # an alias
 
