@@ -403,8 +403,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     tools, required = _offered(body)
     messages = [m.turn() for m in body.messages]
-    if tools:
-        messages.insert(0, {"role": "system", "content": tools_prompt(tools, required=required)})
+    if tools:  # in the system message (templates take one, first), or as one
+        offer = tools_prompt(tools, required=required)
+        if messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{offer}"}
+        else:
+            messages.insert(0, {"role": "system", "content": offer})
     structured = not isinstance(body.response_format, TextFormat | None)
     if body.ignore_eos and (structured or required):
         raise APIError(400, "ignore_eos with a structured response_format or a required tool call: a structured "

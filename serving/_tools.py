@@ -15,7 +15,7 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["FunctionCall", "NamedToolChoice", "Tool", "ToolCall", "ToolChoice", "calls_schema", "read_call",
            "tools_prompt"]  # fmt: skip
@@ -30,6 +30,13 @@ class FunctionDef(_Strict):
     description: str | None = Field(None, description="shown to the model")
     parameters: dict[str, Any] | None = Field(None, description="the JSON schema of its arguments (an object)")
     strict: bool | None = Field(None, description="accepted: a required call's arguments always follow the schema")
+
+    @model_validator(mode="after")
+    def _object(self) -> FunctionDef:
+        if self.parameters is not None and self.parameters.get("type", "object") != "object":
+            raise ValueError(f"parameters of {self.name!r}: a call's arguments are a JSON object: give a schema of "
+                             f'"type": "object"')  # fmt: skip
+        return self
 
 
 class Tool(_Strict):

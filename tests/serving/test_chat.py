@@ -194,7 +194,8 @@ TOOLS = [{"type": "function", "function": {"name": "benchmark", "description": "
              "type": "object", "properties": {"rows": {"enum": [1, 2, 4]}}, "required": ["rows"]}}}]  # fmt: skip
 
 
-def test_a_required_tool_call_is_one_of_the_offered_functions_with_arguments_of_its_schema(server: Server) -> None:
+def test_a_required_tool_call_is_one_of_the_offered_functions_with_arguments_of_its_schema(server: Server,
+                                                                                           decoder) -> None:
     """tool_choice required: a random-weight model's answer, held token by token, is a call of an offered function
     with arguments of its schema, whole and streamed alike (the official client reads both); a named function is
     the one called. A history with calls and tool results is taken."""
@@ -228,6 +229,14 @@ def test_a_required_tool_call_is_one_of_the_offered_functions_with_arguments_of_
     again = client.chat.completions.create(model="tiny-chat", messages=history, max_tokens=96, temperature=1.0, seed=2,
                                            tools=TOOLS, tool_choice="required")  # fmt: skip
     assert again.choices[0].finish_reason == "tool_calls"
+    from serving._tools import Tool, tools_prompt
+
+    offer = tools_prompt([Tool.model_validate(t) for t in TOOLS], required=True)
+    terse = client.chat.completions.create(model="tiny-chat", messages=CHATS[1], max_tokens=96, temperature=1.0,
+                                           seed=3, tools=TOOLS, tool_choice="required")  # fmt: skip
+    system, user = CHATS[1]  # the offer joins the request's own system message: templates take one
+    merged = [{"role": "system", "content": f"{system['content']}\n\n{offer}"}, user]
+    assert terse.usage.prompt_tokens == len(decoder.encode_prompt(merged))
     free = client.chat.completions.create(model="tiny-chat", messages=CHATS[0], max_tokens=24, temperature=1.0, seed=0,
                                           tools=TOOLS)  # fmt: skip
     assert free.choices[0].finish_reason in ("stop", "length") and free.choices[0].message.tool_calls is None
@@ -326,6 +335,10 @@ BAD = [
      {"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
      "tool_choice"),
     ("two functions of one name", CHAT, {"messages": USER, "tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+    ("an empty tools list", CHAT, {"messages": USER, "tools": []}, "tools"),
+    ("a function whose arguments are no object", CHAT,
+     {"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools.0.function"),
     ("a required call and a response_format", CHAT,
      {"messages": USER, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
