@@ -59,12 +59,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def scripted(seed: int) -> Iterator[str]:
-    """An OpenAI-compatible endpoint that answers every chat completion with a random point of the matmul space
+def scripted(seed: int, task: str) -> Iterator[str]:
+    """An OpenAI-compatible endpoint that answers every chat completion with a random point of ``task``'s space
     that holds its constraints, as JSON; yields its base URL."""
-    from runtime.tasks.matmul import Matmul
+    from runtime.task import load_task_class
 
-    space, rng = Matmul({}).space(), np.random.default_rng(seed)
+    space, rng = load_task_class(task)().space(), np.random.default_rng(seed)
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: Any) -> None:
@@ -121,6 +121,9 @@ def served(model: Path, threads: int, log: Path) -> Iterator[str]:
             proc.kill()
 
 
+SLOT_TASKS = {"attention_decode": "key_block", "rmsnorm": "vector_width"}
+"""Slot kernels the funnel runs on (``--task``), and the descriptor each is binned by."""
+
 CODE_ARMS = {"diff-structured": "llm_diff", "diff-prompt": "llm_diff", "rewrite": "llm_rewrite"}
 """The code arms: llm_diff with its line-range schema enforced, llm_diff asked for SEARCH/REPLACE blocks in the
 prompt alone, llm_rewrite (a fenced block: no schema)."""
@@ -128,7 +131,11 @@ prompt alone, llm_rewrite (a fenced block: no schema)."""
 
 def arm_config(url: str, model_id: str, arm: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg = yaml.safe_load(CONFIG.read_text())
-    cfg["task"]["args"] = {"m": args.n, "n": args.n, "k": args.n, "threads": 1}
+    if args.task == "matmul":
+        cfg["task"]["args"] = {"m": args.n, "n": args.n, "k": args.n, "threads": 1}
+    else:  # a slot kernel at its own timed case, binned by its own descriptor
+        cfg["task"] = {"name": args.task, "args": {}}
+        cfg["archive"] = {"kind": "grid", "descriptors": [SLOT_TASKS[args.task]], "bins": 8}
     cfg["evaluation"]["timing"] = {"warmup": 1, "min_repeats": 3, "max_repeats": 10, "max_seconds": 0.2}
     search = cfg["search"]
     search.update(seed=args.seed, workers=1, initial_random=0, confirm={"repeats": 0})
@@ -188,6 +195,8 @@ def main() -> None:
     ap.add_argument("--code-max-tokens", type=int, default=768, help="tokens per llm_diff/llm_rewrite answer at most")
     ap.add_argument("--max-chars", type=int, default=6000, help="the prompts' size bound (llm.prompts.max_chars)")
     ap.add_argument("--n", type=int, default=256, help="the matmul's size (m = n = k)")
+    ap.add_argument("--task", choices=("matmul", *SLOT_TASKS), default="matmul",
+                    help="the task searched: the default matmul, or a slot kernel at its own timed case")
     ap.add_argument("--threads", type=int, default=2, help="the server's threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", nargs="+", default=["params-structured", "params-prompt", "params-scripted",
@@ -207,7 +216,7 @@ def main() -> None:
         for arm in args.arms:
             print(f"== {arm}", flush=True)
             if arm == "params-scripted":
-                arm_url = stack.enter_context(scripted(args.seed))
+                arm_url = stack.enter_context(scripted(args.seed, args.task))
             else:
                 url = url or stack.enter_context(served(model, args.threads, work / "serve.log"))
                 arm_url = url

@@ -1,6 +1,11 @@
 """The agentic operator: a multi-turn tool-calling loop that proposes, compiles, tests, benchmarks and
 repairs a kernel until it commits one, or a step, time or token budget runs out.
 
+The agent works on a draft, the parent's source at first: ``edit`` replaces a range of its lines (named by lines
+it has, found once, inside an evolve block; offered to an endpoint that enforces schemas as the only lines it
+may name), and ``compile``, ``test``, ``benchmark`` and ``commit`` run the draft unless given a whole source
+(which then becomes the draft). A small model that cannot write a whole kernel can still change one.
+
 Every model turn is a recorded (and cached) call; the committed child enters the archive like any
 other candidate, and the transcript is stored with the last call.
 """
@@ -13,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from archive import Candidate
-from evo.llm.diff import Rejected, check_outside
+from evo.llm.diff import Rejected, anchor_lines, apply_json_edits, check_outside
 from evo.llm.operators import LLMOperator
 from evo.llm.prompt import PromptBook, render_prompt
 from evo.llm.session import Draft, LLMSession
@@ -33,7 +38,7 @@ class Agentic(LLMOperator):
                  tools: SandboxTools) -> None:
         super().__init__(session, book, hardware=hardware)
         self.tools = tools
-        self.specs = tool_specs(tools.memory is not None)
+        self.specs = tool_specs(tools.memory is not None)  # what a turn offers, its edit lines the draft's
 
     def propose(self, ctx: ProposalContext) -> Proposal:
         assert ctx.task is not None
@@ -47,6 +52,7 @@ class Agentic(LLMOperator):
                                           {"role": "user", "content": user}]
         drafts: list[Draft] = []
         child: Genome | None = None
+        work = {"draft": self.parent_source(parent, ctx.task)}  # this proposal's own (proposals run in threads)
         t0, tokens, end = time.monotonic(), 0, f"no commit within {limits.max_steps} steps"
         for _ in range(limits.max_steps):
             if time.monotonic() - t0 > limits.max_seconds:
@@ -55,7 +61,8 @@ class Agentic(LLMOperator):
             if tokens >= limits.max_tokens:
                 end = f"token budget of {limits.max_tokens} spent"
                 break
-            draft = self.session.ask(bound_messages(messages, self.book.max_chars), ctx.rng, tools=self.specs)
+            specs = tool_specs(self.tools.memory is not None, anchor_lines(work["draft"]) or None)
+            draft = self.session.ask(bound_messages(messages, self.book.max_chars), ctx.rng, tools=specs)
             drafts.append(draft)
             if draft.answer is None:
                 end = draft.reason or "no answer"
@@ -68,7 +75,7 @@ class Agentic(LLMOperator):
                 messages.append({"role": "user", "content": "Use the tools; finish with commit(source, summary)."})
                 continue
             for call in answer.tool_calls:
-                result, committed = self._run_tool(call, parent, ctx)
+                result, committed = self._run_tool(call, parent, ctx, work)
                 messages.append({"role": "tool", "tool_call_id": call.get("id") or "", "content": result})
                 if committed is not None and child is None:
                     child = committed
@@ -85,8 +92,10 @@ class Agentic(LLMOperator):
             last.transcript = messages
         return Proposal(genome=child, on_commit=self._recorder(drafts), meta={"steps": len(drafts)})
 
-    def _run_tool(self, call: dict[str, Any], parent: Candidate, ctx: ProposalContext) -> tuple[str, Genome | None]:
-        """The tool's answer for the model, and the child when this was an accepted commit."""
+    def _run_tool(self, call: dict[str, Any], parent: Candidate, ctx: ProposalContext,
+                  work: dict[str, str]) -> tuple[str, Genome | None]:  # fmt: skip
+        """The tool's answer for the model, and the child when this was an accepted commit (``work["draft"]``:
+        the source the agent works on, moved by ``edit`` and by a whole source given)."""
         assert ctx.task is not None
         name = call.get("name", "")
         try:
@@ -97,15 +106,22 @@ class Agentic(LLMOperator):
             return self.tools.show_candidate(str(args.get("id", ""))), None
         if name == "search_memory" and self.tools.memory is not None:
             return self.tools.search_memory(str(args.get("query", ""))), None
+        if name == "edit":
+            try:
+                work["draft"] = apply_json_edits(work["draft"], json.dumps({"edits": [args]}))
+            except Rejected as exc:
+                return f"rejected: {exc}", None
+            return "edited; the draft's lines now read:\n" + _around(work["draft"], str(args.get("replace", ""))), None
         if name not in ("compile", "test", "benchmark", "commit"):
             return f"error: unknown tool {name!r} (use {', '.join(s['function']['name'] for s in self.specs)})", None
-        source = args.get("source")
+        source = args.get("source", work["draft"])
         if not isinstance(source, str) or not source.strip():
-            return "error: give the whole kernel source as 'source'", None
+            return "error: give the whole kernel source as 'source', or leave it out to use your draft", None
         try:
             check_outside(self.parent_source(parent, ctx.task), source)
         except Rejected as exc:
             return f"rejected: {exc}", None
+        work["draft"] = source
         genome = Genome(params=parent.params, source=source)
         if name == "commit":
             if genome == parent.genome:
@@ -116,6 +132,17 @@ class Agentic(LLMOperator):
     def close(self) -> None:
         super().close()
         self.tools.close()
+
+
+def _around(source: str, replaced: str, context: int = 3) -> str:
+    """The lines an edit wrote, with ``context`` lines either side (the whole source where they are not found)."""
+    lines, new = source.splitlines(), replaced.splitlines()
+    if not new:
+        return source
+    at = next((i for i in range(len(lines) - len(new) + 1) if lines[i : i + len(new)] == new), None)
+    if at is None:
+        return source
+    return "\n".join(lines[max(0, at - context) : at + len(new) + context])
 
 
 def _assistant(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:

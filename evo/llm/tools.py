@@ -31,31 +31,47 @@ _SHORT = 200
 repeats itself still ends its call)."""
 
 
-def _spec(name: str, doc: str, **props: str) -> dict[str, Any]:
+def _spec(name: str, doc: str, *, optional: tuple[str, ...] = (), lines: list[str] | None = None,
+          **props: str) -> dict[str, Any]:
     def prop(key: str, doc: str) -> dict[str, Any]:
-        return {"type": "string", "description": doc, **({} if key == "source" else {"maxLength": _SHORT})}
+        if key in ("from", "to") and lines is not None:  # the draft's own lines: a server that enforces it names one
+            return {"description": doc, "enum": lines}
+        return {"type": "string", "description": doc, **({} if key in ("source", "replace") else {"maxLength": _SHORT})}
 
     return {"type": "function", "function": {
         "name": name, "description": doc,
         "parameters": {"type": "object", "properties": {k: prop(k, v) for k, v in props.items()},
-                       "required": list(props)}}}
+                       "required": [k for k in props if k not in optional]}}}
 
 
-_SOURCE = "the whole kernel source (only evolve blocks may differ from the parent's)"
-TOOL_SPECS = [
-    _spec("compile", "Compile a kernel source; returns the compiler's errors, if any.", source=_SOURCE),
-    _spec("test", "Compile a kernel and check it against the reference (no timing).", source=_SOURCE),
-    _spec("benchmark", "Compile, check and time a kernel: fitness and vs_reference.", source=_SOURCE),
-    _spec("show_candidate", "Show a stored candidate: source, results, lineage.", id="candidate id or prefix"),
-    _spec("commit", "Submit the final kernel; ends the session.", source=_SOURCE,
-          summary="one line: what changed and why it is faster"),
-]
-_MEMORY_SPEC = _spec("search_memory", "Search past discoveries of earlier runs.", query="what to look for")
+_SOURCE = "the whole kernel source (only evolve blocks may differ from the parent's); default: your draft"
+_LINE = "a line of your draft, copied exactly, inside an evolve block, found once"
 
 
-def tool_specs(with_memory: bool) -> list[dict[str, Any]]:
-    """The tools offered; ``search_memory`` only when a memory exists."""
-    return [*TOOL_SPECS[:4], *([_MEMORY_SPEC] if with_memory else []), TOOL_SPECS[4]]
+def tool_specs(with_memory: bool, lines: list[str] | None = None) -> list[dict[str, Any]]:
+    """The tools offered (``search_memory`` only when a memory exists); ``lines``: the draft's lines an edit may
+    name (see :func:`evo.llm.diff.anchor_lines`), ``None`` to leave them free."""
+    code = {"source": _SOURCE}
+    return [
+        _spec("edit", "Replace lines from..to (both included) of your draft (the parent's source at first) by "
+              "replace; returns the lines as they now read.", lines=lines, **{"from": _LINE, "to": _LINE,
+              "replace": "the new lines, \\n between them"}),  # fmt: skip
+        _spec("compile", "Compile a kernel source; returns the compiler's errors, if any.", optional=("source",),
+              **code),
+        _spec("test", "Compile a kernel and check it against the reference (no timing).", optional=("source",),
+              **code),
+        _spec("benchmark", "Compile, check and time a kernel: fitness and vs_reference.", optional=("source",),
+              **code),
+        _spec("show_candidate", "Show a stored candidate: source, results, lineage.", id="candidate id or prefix"),
+        *([_spec("search_memory", "Search past discoveries of earlier runs.", query="what to look for")]
+          if with_memory else []),
+        _spec("commit", "Submit the final kernel; ends the session.", optional=("source",), **code,
+              summary="one line: what changed and why it is faster"),
+    ]  # fmt: skip
+
+
+TOOL_SPECS = tool_specs(False)
+"""The tools without a memory, an edit's lines left free."""
 
 
 class SandboxTools:

@@ -132,6 +132,38 @@ def test_a_rewrite_a_params_proposal_and_an_agentic_loop_each_land(tmp_path, op)
     assert all(t["function"]["name"] != "search_memory" for t in fake.requests[-1]["tools"])  # no memory here
 
 
+def test_an_agent_that_edits_its_draft_commits_the_draft(tmp_path):
+    """The agent changes the parent by one line-range edit (offered as the draft's own lines), tests the draft
+    without giving a source, and commits it: the child is the edited parent. An edit naming a line the draft does
+    not have is rejected with the reason, and the draft stays as it was."""
+    first, last = NAIVE_LOOP.splitlines()[0], NAIVE_LOOP.splitlines()[-1]
+    turns = [("edit", {"from": "for (;;) {", "to": last, "replace": "x"}),
+             ("edit", {"from": first, "to": last, "replace": FAST_LOOP}), ("test", {}),
+             ("commit", {"summary": "i-k-j loop order"})]  # fmt: skip
+
+    def script(body: dict, n: int) -> Reply:
+        if not body.get("tools"):
+            return Reply(text="no")
+        step = sum(m["role"] == "assistant" for m in body["messages"])
+        return Reply(text="", tool_calls=[turns[min(step, 3)]])
+
+    with FakeLLM(script) as fake:
+        search, _ = run(tmp_path, llm_config(fake.url, weights={"agentic": 1.0}, max_evals=2))
+    child = next(c for c in search.store.by_operator("agentic") if c.status != "pending")
+    assert child.status == "ok" and FAST_LOOP in child.source and NAIVE_LOOP not in child.source
+    agent = search.store.llm_calls(operator="agentic")
+    transcript = json.loads(agent[-1]["transcript"])
+    answers = [m["content"] for m in transcript if m["role"] == "tool"]
+    assert answers[0].startswith("rejected:") and "is not a line" in answers[0]
+    assert answers[1].startswith("edited;") and FAST_LOOP.splitlines()[2] in answers[1]
+    assert answers[2].startswith("correct") and answers[3].startswith("committed")
+    edit = next(t for t in fake.requests[0]["tools"] if t["function"]["name"] == "edit")
+    anchors = edit["function"]["parameters"]["properties"]["from"]["enum"]
+    assert first.rstrip() in anchors and last.rstrip() in anchors  # the draft's own lines, for a server to enforce
+    later = next(t for t in fake.requests[2]["tools"] if t["function"]["name"] == "edit")
+    assert FAST_LOOP.splitlines()[2].rstrip() in later["function"]["parameters"]["properties"]["from"]["enum"]
+
+
 def test_failures_of_every_kind_are_recorded_and_the_search_carries_on(tmp_path):
     script = [Reply(garbage=True), Reply(status=429), Reply(text=diff_answer(NAIVE_LOOP, FAST_LOOP)),
               Reply(text="no blocks at all"), Reply(text=diff_answer("    nothing like this", "")),
