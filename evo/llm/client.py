@@ -67,6 +67,7 @@ class LLMClient:
         self._client: Any = None
         self._client_key: str | None = None
         self._formats_refused = False  # the endpoint answered 400 to a response_format (structured_output: auto)
+        self._choice_refused = False  # the endpoint answered 400 to tool_choice "required": tools are offered alone
 
     # --- the breaker ----------------------------------------------------------------------------
 
@@ -136,7 +137,9 @@ class LLMClient:
                 kw: dict[str, Any] = {"model": s.model, "messages": messages, "temperature": s.temperature,
                                       "max_tokens": s.max_tokens, "timeout": left}
                 if tools:  # the agent's every turn is a call (a server that enforces it holds small models to one)
-                    kw["tools"], kw["tool_choice"] = tools, "required"
+                    kw["tools"] = tools
+                    if not self._choice_refused:
+                        kw["tool_choice"] = "required"
                 if response_format is not None:
                     kw["response_format"] = response_format
                 try:
@@ -151,6 +154,11 @@ class LLMClient:
                     self._closing.wait(wait)
                     attempt += 1
                 except openai.BadRequestError as exc:
+                    if tools and not self._choice_refused and "tool_choice" in str(exc):
+                        self._choice_refused = True  # asked again at once, and from now on, without it
+                        self._note(f"llm: model {self.name} at {s.base_url} refused tool_choice required "
+                                   f"({_describe(exc)}): tools are offered without it from now on")  # fmt: skip
+                        continue
                     # only a 400 about the format itself turns it off (not one about the prompt's length, say)
                     if response_format is None or s.structured_output != "auto" or "response_format" not in str(exc):
                         raise LLMUnavailable(_describe(exc)) from None

@@ -284,3 +284,25 @@ def test_the_token_budget_stops_calls(tmp_path):
         assert not op.available()
         proposal = op.propose(ctx(parent(), seed=1))
     assert len(fake.requests) == 1 and proposal.genome is None
+
+
+def test_an_endpoint_that_refuses_tool_choice_is_offered_the_tools_without_it():
+    """The agent asks for a call every turn (tool_choice required); an endpoint that answers that with 400 is asked
+    again at once with the tools alone, and never with tool_choice again. A 400 about something else is a failure."""
+    from evo.llm.tools import tool_specs
+
+    def refuses_choice(body, n):
+        if n == 0:
+            return Reply(status=400, error="the prompt is longer than the context")
+        if "tool_choice" in body:
+            return Reply(status=400, error="tool_choice is not supported")
+        return Reply(text="", tool_calls=[("test", {})])
+
+    with FakeLLM(refuses_choice) as fake:
+        client = LLMClient(ModelSettings(base_url=fake.url, model="scripted", api_key_env=KEY_ENV, timeout=5.0))
+        with pytest.raises(LLMUnavailable, match="400"):
+            client.chat([{"role": "user", "content": "go"}], tools=tool_specs(False))
+        for _ in range(2):
+            answer = client.chat([{"role": "user", "content": "go"}], tools=tool_specs(False))
+            assert [c["name"] for c in answer.tool_calls] == ["test"]
+        assert [b.get("tool_choice") for b in fake.requests] == ["required", "required", None, None]
