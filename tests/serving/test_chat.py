@@ -336,6 +336,11 @@ BAD = [
      "tool_choice"),
     ("two functions of one name", CHAT, {"messages": USER, "tools": [TOOLS[0], TOOLS[0]]}, "tools"),
     ("an empty tools list", CHAT, {"messages": USER, "tools": []}, "tools"),
+    ("tools whose call schema is over 16 KB", CHAT,
+     {"messages": USER, "tool_choice": "required", "tools": [
+         {"type": "function", "function": {"name": f"f{i}", "parameters": {
+             "type": "object", "properties": {"x": {"enum": [f"value {j}" for j in range(40)]}}}}}
+         for i in range(40)]}, "tools"),
     ("a function whose arguments are no object", CHAT,
      {"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
      "tools.0.function"),
