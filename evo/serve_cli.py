@@ -47,8 +47,9 @@ __all__ = ["serve"]
               "load), a matrix (qkv, o, gate_up, down, "
               "lm_head) in another if named, e.g. int8:lm_head=fp32 (see the README for what each holds)")
 @click.option("--slots", type=click.Choice(["c", "numpy"]), default="c", show_default=True,
-              help="--gguf: the slots besides the GEMMs: c runs a decode step's attention (every decoding request "
-              "in one call) and RMSNorm on their tasks' C kernels; numpy runs them in numpy")
+              help="--gguf: the slots besides the GEMMs: c runs the attention (every request of a step in one call, "
+              "decode steps and prompt chunks alike, batch-invariant) and RMSNorm on their tasks' C kernels; numpy "
+              "runs them in numpy")
 @click.option("--kv-dtype", type=click.Choice(["fp32", "f16"]), default="fp32", show_default=True,
               help="--gguf: the KV cache's type (f16: half the memory and the attention's reads; keys and values "
               "rounded to f16)")
