@@ -279,16 +279,17 @@ async def _events(gen: Generation, reply: _Reply, clock: _Clock) -> AsyncIterato
                 else:
                     yield reply.chunk(text, logprobs=logprobs)
                     yield reply.chunk(finish=finish)
-            async for chunk in gen if not reply.tools else _nothing():
-                clock.tick(chunk)
-                tokens = chunk.tokens
-                if chunk.logprob is not None:
-                    pending.append(reply.logprob(chunk))
-                if chunk.text:
-                    yield reply.chunk(chunk.text, logprobs=pending)
-                    pending = []
-                if chunk.finish_reason is not None:
-                    yield reply.chunk(finish=chunk.finish_reason, logprobs=pending)
+            else:
+                async for chunk in gen:
+                    clock.tick(chunk)
+                    tokens = chunk.tokens
+                    if chunk.logprob is not None:
+                        pending.append(reply.logprob(chunk))
+                    if chunk.text:
+                        yield reply.chunk(chunk.text, logprobs=pending)
+                        pending = []
+                    if chunk.finish_reason is not None:
+                        yield reply.chunk(finish=chunk.finish_reason, logprobs=pending)
         except RuntimeError as exc:  # the engine failed this generation: the status is sent already
             yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
             return
@@ -297,11 +298,6 @@ async def _events(gen: Generation, reply: _Reply, clock: _Clock) -> AsyncIterato
         yield "data: [DONE]\n\n"
     finally:
         gen.cancel()  # a client gone mid-stream: its cache is freed (nothing to do once it has finished)
-
-
-async def _nothing() -> AsyncIterator[Any]:
-    return
-    yield
 
 
 async def _collect(gen: Generation, reply: _Reply, clock: _Clock) -> tuple[str, str, int, list[dict[str, Any]]]:

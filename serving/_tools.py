@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["FunctionCall", "NamedToolChoice", "Tool", "ToolCall", "ToolChoice", "calls_schema", "read_call",
-           "tools_prompt"]  # fmt: skip
+__all__ = ["FunctionCall", "NamedToolChoice", "Tool", "ToolCall", "ToolChoice", "call_text", "calls_schema",
+           "read_call", "tools_prompt"]  # fmt: skip
 
 
 class _Strict(BaseModel):

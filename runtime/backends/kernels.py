@@ -209,7 +209,8 @@ def check_rms(task: KernelTask, case: Case, name: str, got: np.ndarray, expected
 def compare(task: KernelTask, inst: Instance) -> None:
     """Raises ``wrong`` when an output of ``inst.arrays`` is outside the task's tolerance of the expected one
     (measured against the task's :meth:`~runtime.task.KernelTask.error_scale`), or, on typical values, when all
-    its elements together are over the task's :meth:`~runtime.task.KernelTask.rms_tolerance`."""
+    its elements together are over the task's :meth:`~runtime.task.KernelTask.rms_tolerance`, or when two rows it
+    requires to be equal bit for bit differ (:func:`compare_twins`)."""
     rtol, atol = task.tolerance(inst.case)
     scales = task.error_scale(inst.case, inst.inputs, inst.expected) or {}
     for name in inst.outputs:
@@ -217,7 +218,6 @@ def compare(task: KernelTask, inst: Instance) -> None:
         scale = scales.get(name)
         bad = ~within_tolerance(got, exp, rtol, atol, scale)
         if not bad.any():
-            compare_twins(task, inst)
             if inst.kind == "typical":
                 check_rms(task, inst.case, name, got, exp, f"{inst.describe()}, input seed {inst.seed}")
             continue
@@ -238,6 +238,7 @@ def compare(task: KernelTask, inst: Instance) -> None:
             f"({int(bad.sum())} of {bad.size} elements outside rtol={rtol:g}{against}, atol={atol:g}); "
             f"{inst.describe()}, input seed {inst.seed}",
         )
+    compare_twins(task, inst)
 
 
 def compare_twins(task: KernelTask, inst: Instance) -> None:
@@ -250,6 +251,7 @@ def compare_twins(task: KernelTask, inst: Instance) -> None:
                 raise Failure(Status.WRONG, f"rows {a} and {b} of output {name!r} are one computation reached two "
                               f"ways and must be equal bit for bit; they differ by up to {np.nanmax(diff):.3g} (the "
                               f"result depends on the batch around it); {inst.describe()}, input seed {inst.seed}")
+
 
 def within_tolerance(got: np.ndarray, expected: np.ndarray, rtol: float, atol: float,
                      scale: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
