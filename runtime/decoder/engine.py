@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -18,19 +19,26 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from runtime.decoder.generate import Decoder
 from runtime.decoder.kernels import (
+    DEFAULT_CACHE,
+    KERNEL_SLOTS,
     DecoderKernelError,
     c_attention,
     c_rmsnorm,
     decoder_ops,
     linear_task,
     parse_mix,
+    precision_of,
+    seed_source,
 )
 from runtime.decoder.model import DecoderModel
 from runtime.decoder.ops import DecoderOps
 from runtime.decoder.scheduler import SchedulerConfig
+from runtime.engine.kernel_runs import KernelSource
 from runtime.settings import CompilerSettings
+from runtime.task import load_task_class
+from runtime.toolchain.cc import compile_source
 
-__all__ = ["ChatEngine", "EngineUnfit", "build", "default_linear", "engine_threads"]
+__all__ = ["ChatEngine", "EngineUnfit", "build", "compile_engine", "default_linear", "engine_threads", "libraries"]
 
 
 def default_linear() -> str:
@@ -69,12 +77,23 @@ class ChatEngine(BaseModel):
     max_running: int = Field(64, ge=1, le=4096, description="requests in the running batch at most")
     threads: int | None = Field(None, ge=1, le=1024, description="threads of the GEMMs, at most this machine's cores "
                                 "(default: every core)")
+    kernels: dict[str, str] = Field(default_factory=dict, description="slot (linear, attention, rmsnorm) -> the id "
+                                    "of a kernel run's elite that fills it (a linear kernel runs the matrices of its "
+                                    "own precision); the sources come from the chat_engine task that offers them "
+                                    "(default: each slot's built-in kernel)")  # fmt: skip
 
     @field_validator("linear")
     @classmethod
     def _linear(cls, v: str) -> str:
         if v != "numpy":
             parse_mix(v)  # DecoderKernelError is a ValueError: a validation error naming the field
+        return v
+
+    @field_validator("kernels")
+    @classmethod
+    def _kernels(cls, v: dict[str, str]) -> dict[str, str]:
+        if unknown := sorted(set(v) - set(KERNEL_SLOTS)):
+            raise ValueError(f"no slot {', '.join(map(repr, unknown))}: kernels fill {', '.join(KERNEL_SLOTS)}")
         return v
 
     def check(self) -> None:
@@ -104,26 +123,93 @@ class ChatEngine(BaseModel):
         return dataclasses.replace(budgets, step_tokens=self.step_tokens, max_running=self.max_running)
 
     def describe(self) -> str:
+        kernels = "".join(f", {slot} kernel {cid[:12]}" for slot, cid in sorted(self.kernels.items()))
         return (f"linear {self.linear}, slots {self.slots}, KV cache {self.kv_dtype}, {self.step_tokens}-token "
-                f"steps, up to {self.max_running} running, {self.team()} threads")  # fmt: skip
+                f"steps, up to {self.max_running} running, {self.team()} threads{kernels}")  # fmt: skip
 
 
-def build(model: DecoderModel, engine: ChatEngine, *, cache_dir: str | Path | None = None,
+def libraries(engine: ChatEngine, kernels: Mapping[str, KernelSource] | None = None) -> dict[str, KernelSource]:
+    """Every kernel library ``engine`` loads, by what it runs (``attention``, ``rmsnorm``, ``linear <precision>``):
+    the kernel ``kernels`` gives for the slot ``engine.kernels`` names (a kernel run's elite), else the slot's
+    built-in kernel. Raises :class:`EngineUnfit` where a named kernel is not given, or cannot fill its place (an
+    attention kernel evolved for another KV cache type, a linear kernel of a precision no matrix runs)."""
+    from runtime.tasks.attention_decode import AttentionDecode
+    from runtime.tasks.rmsnorm import RMSNorm
+
+    given = dict(kernels or {})
+    chosen: dict[str, KernelSource] = {}
+    for slot, cid in engine.kernels.items():
+        ks = given.get(slot)
+        if ks is None or not ks.id.startswith(cid):
+            raise EngineUnfit("kernels", f"kernels.{slot}: no source was given for kernel {cid!r} (an engine with "
+                              "evolved kernels is built from the chat_engine task that offers them)")  # fmt: skip
+        chosen[slot] = ks
+    mix, team = engine.mix(), engine.team()
+    out: dict[str, KernelSource] = {}
+    if engine.slots == "c":
+        attention = chosen.pop("attention", None)
+        if attention is not None and attention.args.get("cache", "fp32") != engine.kv_dtype:
+            raise EngineUnfit("kernels", f"kernels.attention: kernel {attention.id[:12]} was evolved for an "
+                              f"{attention.args.get('cache', 'fp32')} KV cache, the engine's is {engine.kv_dtype}")
+        out["attention"] = attention or seed_source(AttentionDecode({"threads": team if mix else 1,
+                                                                     "cache": engine.kv_dtype}))  # fmt: skip
+        out["rmsnorm"] = chosen.pop("rmsnorm", None) or seed_source(RMSNorm({"threads": 1}))
+    if mix:
+        linear = chosen.pop("linear", None)
+        for precision in sorted({mix[0], *mix[1].values()}):
+            if linear is not None and precision_of(linear.task) == precision:
+                out[f"linear {precision}"], linear = linear, None
+            else:
+                out[f"linear {precision}"] = seed_source(load_task_class(linear_task(precision))({"threads": team}))
+        if linear is not None:
+            raise EngineUnfit("kernels", f"kernels.linear: kernel {linear.id[:12]} runs "
+                              f"{precision_of(linear.task)} GEMMs; the engine's are {engine.linear}")  # fmt: skip
+    if chosen:
+        raise EngineUnfit("kernels", f"kernels.{next(iter(chosen))}: the engine runs that slot in numpy "
+                          "(slots: c runs attention and RMSNorm on kernels)")  # fmt: skip
+    return out
+
+
+def compile_engine(engine: ChatEngine, kernels: Mapping[str, KernelSource] | None = None, *,
+                   compiler: CompilerSettings | None = None, cache_dir: str | Path | None = None,
+                   work_dir: str | None = None) -> dict[str, KernelSource]:  # fmt: skip
+    """Compiles every library ``engine`` loads (:func:`libraries`) into the cache without loading any: the same
+    sources, each with the hash of its build (what a process that may not compile then loads, checked). Raises
+    :class:`EngineUnfit` and the toolchain's CompileError."""
+    engine.check()
+    cache = str(cache_dir if cache_dir is not None else DEFAULT_CACHE)
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    out = {}
+    for part, ks in libraries(engine, kernels).items():
+        built = compile_source(ks.source, compiler=compiler or CompilerSettings(), extra_flags=ks.flags,
+                               cache_dir=cache, work_dir=work_dir)  # fmt: skip
+        out[part] = dataclasses.replace(ks, sha256=built.sha256)
+    return out
+
+
+def build(model: DecoderModel, engine: ChatEngine, *, kernels: Mapping[str, KernelSource] | None = None,
+          built: Mapping[str, KernelSource] | None = None, cache_dir: str | Path | None = None,
           compiler: CompilerSettings | None = None) -> Decoder:  # fmt: skip
-    """A decoder running ``model`` (its weights shared, not copied) as ``engine`` says; compiles the kernels it
-    needs (``compiler``; cached in ``cache_dir``, default ``~/.cache/evoforge/kernels``). Raises
+    """A decoder running ``model`` (its weights shared, not copied) as ``engine`` says, on the libraries
+    :func:`libraries` lists (``kernels``: the evolved ones ``engine.kernels`` names), or on ``built``
+    (:func:`compile_engine`'s answer: each library then loads only as the build it names); compiles what is not
+    in the cache yet (``compiler``; ``cache_dir``, default ``~/.cache/evoforge/kernels``). Raises
     :class:`EngineUnfit` (see :meth:`ChatEngine.check`)."""
     engine.check()
     model = dataclasses.replace(model, kv_dtype=np.dtype(np.float16 if engine.kv_dtype == "f16" else np.float32))
+    parts = dict(built) if built is not None else libraries(engine, kernels)
     mix, team = engine.mix(), engine.team()
     openmp = team if mix else 1
     where = {"cache_dir": cache_dir, "compiler": compiler}
     ops = DecoderOps()
     if engine.slots == "c":
-        ops = DecoderOps(attention=c_attention(threads=openmp, cache=engine.kv_dtype, **where),
-                         rmsnorm=c_rmsnorm(threads=1, **where))  # fmt: skip
+        ops = DecoderOps(attention=c_attention(source=parts["attention"], threads=openmp, cache=engine.kv_dtype,
+                                               **where),
+                         rmsnorm=c_rmsnorm(source=parts["rmsnorm"], threads=1, **where))  # fmt: skip
     if mix:
-        ops = decoder_ops(model, mix[0], matrices=mix[1], threads=team, base=ops, **where)
+        sources = {part.removeprefix("linear "): ks for part, ks in parts.items() if part.startswith("linear ")}
+        ops = decoder_ops(model, mix[0], matrices=mix[1], sources=sources, threads=team, base=ops,
+                          **where)  # type: ignore[arg-type]
     return Decoder(model, ops=ops)
 
 

@@ -16,6 +16,7 @@ BLAS follows its own variable.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,15 +28,16 @@ import numpy as np
 from genome import Genome
 from runtime.decoder.model import DecoderModel, KVCache
 from runtime.decoder.ops import DecoderOps, np_linear
+from runtime.engine.kernel_runs import KernelSource
 from runtime.hardware import cpu_flags
 from runtime.settings import CompilerSettings
 from runtime.slots import SlotTask
 from runtime.task import load_task_class
 from runtime.tasks._linear import LinearTask
-from runtime.toolchain.cc import CKernel, compile_source, load_kernel
+from runtime.toolchain.cc import CKernel, CompileError, compile_source, load_kernel
 
-__all__ = ["MATRICES", "PRECISIONS", "DecoderKernelError", "Precision", "c_attention", "c_rmsnorm",
-           "decoder_ops", "linear_task", "parse_mix"]  # fmt: skip
+__all__ = ["KERNEL_SLOTS", "MATRICES", "PRECISIONS", "DecoderKernelError", "Precision", "c_attention", "c_rmsnorm",
+           "decoder_ops", "linear_task", "load_source", "parse_mix", "precision_of", "seed_source"]  # fmt: skip
 
 Precision = Literal["fp32", "int8", "bf16", "q8"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -51,6 +53,10 @@ _TASKS: dict[str, tuple[str, ...]] = {
     "bf16": ("linear_bf16",),
     "q8": ("linear_q8_vnni", "linear_q8"),
 }
+
+KERNEL_SLOTS = ("linear", "attention", "rmsnorm")
+"""The decoder's slots a kernel run's elite may fill: the weight GEMMs (a linear-slot task of any precision: it runs
+the matrices of its own), attention over the KV caches, and RMSNorm."""
 
 DEFAULT_CACHE = Path.home() / ".cache" / "evoforge" / "kernels"
 
@@ -90,6 +96,36 @@ def linear_task(precision: str) -> str:
     raise DecoderKernelError(f"no {precision} kernel runs on this CPU: it needs {need}")
 
 
+def precision_of(task: str) -> str:
+    """The precision a linear-slot task's kernels run (ValueError for a task that runs none of the decoder's)."""
+    for precision, names in _TASKS.items():
+        if task in names:
+            return precision
+    raise DecoderKernelError(f"{task!r} kernels run none of the decoder's GEMMs (tasks: "
+                             f"{', '.join(n for names in _TASKS.values() for n in names)})")  # fmt: skip
+
+
+def seed_source(task: SlotTask, genome: Genome | None = None) -> KernelSource:
+    """``genome`` of ``task`` (default its last seed, a modest template point) rendered, ready to compile."""
+    return KernelSource(task.slot.name if task.slot else "", "", task.render(genome or task.seeds()[-1]),
+                        tuple(task.compile_flags()), task.name, args=task.args.model_dump(mode="json"))  # fmt: skip
+
+
+def load_source(source: KernelSource, compiler: CompilerSettings | None, cache_dir: str | Path | None) -> CKernel:
+    """``source`` compiled (into ``cache_dir``, default ``~/.cache/evoforge/kernels``: a compiled library is only
+    loaded, so a process that may not run the compiler loads what was compiled for it) and loaded. Raises the
+    toolchain's CompileError, also where the library is not the build ``source.sha256`` names."""
+    cache = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE
+    with contextlib.suppress(OSError):
+        cache.mkdir(parents=True, exist_ok=True)
+    built = compile_source(source.source, compiler=compiler or CompilerSettings(), extra_flags=source.flags,
+                           cache_dir=str(cache))  # fmt: skip
+    if source.sha256 and built.sha256 != source.sha256:
+        raise CompileError(f"the {source.task} kernel's library is not the build that was checked (sha256 "
+                           f"{built.sha256[:16]}, checked {source.sha256[:16]}): refused")  # fmt: skip
+    return load_kernel(built.path, load_task_class(source.task).kernel_name)
+
+
 @dataclass(frozen=True)
 class _Packed:
     """One weight made ready for its kernel: ``call(m, n, k, x, *packed, bias, y)``, addresses given as ints (the
@@ -105,21 +141,19 @@ class _Packed:
 class _Kernels:
     """The compiled kernel of each precision in use, and its task (how it packs weights)."""
 
-    def __init__(self, genomes: Mapping[str, Genome], threads: int, compiler: CompilerSettings, cache: Path) -> None:
+    def __init__(self, sources: Mapping[str, KernelSource], threads: int, compiler: CompilerSettings | None,
+                 cache: str | Path | None) -> None:  # fmt: skip
         self.tasks: dict[str, LinearTask] = {}
         self.kernels: dict[str, CKernel] = {}
-        self._genomes, self._threads, self._compiler, self._cache = genomes, threads, compiler, cache
+        self._sources, self._threads, self._compiler, self._cache = sources, threads, compiler, cache
 
     def get(self, precision: str) -> tuple[LinearTask, CKernel]:
         if precision not in self.kernels:
-            name = linear_task(precision)
-            task = load_task_class(name)({"threads": self._threads})
+            source = self._sources.get(precision)
+            task = load_task_class(source.task if source else linear_task(precision))({"threads": self._threads})
             assert isinstance(task, LinearTask)
-            genome = self._genomes.get(precision) or task.seeds()[-1]
-            self._cache.mkdir(parents=True, exist_ok=True)
-            built = compile_source(task.render(genome), compiler=self._compiler, extra_flags=task.compile_flags(),
-                                   cache_dir=str(self._cache))  # fmt: skip
-            self.tasks[precision], self.kernels[precision] = task, load_kernel(built.path, task.kernel_name)
+            kernel = load_source(source or seed_source(task), self._compiler, self._cache)
+            self.tasks[precision], self.kernels[precision] = task, kernel
         return self.tasks[precision], self.kernels[precision]
 
     def pack(self, precision: str, w: np.ndarray) -> _Packed | None:
@@ -151,7 +185,7 @@ def decoder_ops(
     precision: Precision = "int8",
     *,
     matrices: Mapping[str, Precision] | None = None,
-    genomes: Mapping[str, Genome] | None = None,
+    sources: Mapping[str, KernelSource] | None = None,
     threads: int = 1,
     compiler: CompilerSettings | None = None,
     cache_dir: str | Path | None = None,
@@ -160,9 +194,9 @@ def decoder_ops(
     """``base`` (numpy's operators by default) with ``linear`` and ``lm_head`` on C kernels over ``model``'s weights.
 
     Every matrix runs in ``precision`` unless ``matrices`` names another for it (keys from :data:`MATRICES`);
-    ``genomes`` gives a precision's kernel (a genome of its task, e.g. an evolved elite; default the task's seed
-    register tile). Kernels compile (``compiler``, cached in ``cache_dir``, default ``~/.cache/evoforge/kernels``)
-    for ``threads`` threads. A weight the kernels do not hold (another model's), or a shape outside a kernel's
+    ``sources`` gives a precision's kernel (e.g. a kernel run's elite; default its task's seed register tile).
+    Kernels compile (``compiler``, cached in ``cache_dir``, default ``~/.cache/evoforge/kernels``) for ``threads``
+    threads. A weight the kernels do not hold (another model's), or a shape outside a kernel's
     multiples, runs in numpy. Raises :class:`DecoderKernelError`, and the toolchain's CompileError.
     """
     chosen = dict(matrices or {})
@@ -170,8 +204,7 @@ def decoder_ops(
         raise DecoderKernelError(f"no matrix {', '.join(map(repr, unknown))}: name some of {', '.join(MATRICES)}")
     for p in (precision, *chosen.values()):
         linear_task(p)  # an unknown precision, or one this CPU cannot run, fails before anything compiles
-    kernels = _Kernels(genomes or {}, threads, compiler or CompilerSettings(),
-                       Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE)  # fmt: skip
+    kernels = _Kernels(sources or {}, threads, compiler, cache_dir)
 
     def of(matrix: str) -> str:
         return chosen.get(matrix, precision)
@@ -202,28 +235,28 @@ def decoder_ops(
     return dataclasses.replace(base, linear=linear, lm_head=lm_head)
 
 
-def _build(task: SlotTask, genome: Genome | None, compiler: CompilerSettings | None,
+def _build(task: SlotTask, genome: Genome | None, source: KernelSource | None, compiler: CompilerSettings | None,
            cache_dir: str | Path | None) -> CKernel:  # fmt: skip
-    """``genome`` of ``task`` (default: its last seed, a modest template point) compiled and loaded."""
-    cache = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE
-    cache.mkdir(parents=True, exist_ok=True)
-    built = compile_source(task.render(genome or task.seeds()[-1]), compiler=compiler or CompilerSettings(),
-                           extra_flags=task.compile_flags(), cache_dir=str(cache))  # fmt: skip
-    return load_kernel(built.path, task.kernel_name)
+    """``source`` (else ``genome`` of ``task``, default its last seed) compiled and loaded."""
+    if source is not None and source.task != task.name:
+        raise DecoderKernelError(f"a {source.task} kernel cannot fill the {task.name} task's slot")
+    return load_source(source or seed_source(task, genome), compiler, cache_dir)
 
 
 def c_rmsnorm(
     genome: Genome | None = None,
     *,
+    source: KernelSource | None = None,
     threads: int = 1,
     compiler: CompilerSettings | None = None,
     cache_dir: str | Path | None = None,
 ) -> Callable[[np.ndarray, np.ndarray, float], np.ndarray]:
-    """The ``rmsnorm`` slot on the ``rmsnorm`` task's kernel (``genome``, default its template seed)."""
+    """The ``rmsnorm`` slot on the ``rmsnorm`` task's kernel (``source``, e.g. a kernel run's elite, else ``genome``,
+    default its template seed)."""
     from runtime.tasks.rmsnorm import RMSNorm
 
     task = RMSNorm({"threads": threads})
-    kernel = _build(task, genome, compiler, cache_dir)
+    kernel = _build(task, genome, source, compiler, cache_dir)
     one = np.zeros((1, 1), np.float32)
     call = kernel.caller(task.slot_args({"x": one, "w": one[0], "eps": 1.0}, one))
 
@@ -241,20 +274,21 @@ def c_rmsnorm(
 def c_attention(
     genome: Genome | None = None,
     *,
+    source: KernelSource | None = None,
     threads: int = 1,
     cache: str = "fp32",
     compiler: CompilerSettings | None = None,
     cache_dir: str | Path | None = None,
 ) -> Callable[[np.ndarray, Sequence[KVCache], int, Sequence[int], Sequence[int], int], np.ndarray]:
-    """The ``attention`` slot on the ``attention_decode`` task's kernel (``genome``, default its template seed),
-    compiled for ``threads`` threads: every sequence of a forward pass in one call (decode steps and prompts'
-    chunks alike, each query's output independent of the others), over the caches where they are (each passed as
-    its offset from the first, from the addresses a cache keeps), of ``cache``'s type (``fp32`` or ``f16``; a
+    """The ``attention`` slot on the ``attention_decode`` task's kernel (``source``, e.g. a kernel run's elite,
+    rendered for ``cache``'s type; else ``genome``, default its template seed), compiled for ``threads`` threads:
+    every sequence of a forward pass in one call (decode steps and prompts' chunks alike, each query's output
+    independent of the others), over the caches where they are (each passed as its offset from the first, from the addresses a cache keeps), of ``cache``'s type (``fp32`` or ``f16``; a
     cache of another is a ValueError)."""
     from runtime.tasks.attention_decode import AttentionDecode
 
     task = AttentionDecode({"threads": threads, "cache": cache})
-    kernel = _build(task, genome, compiler, cache_dir)
+    kernel = _build(task, genome, source, compiler, cache_dir)
     dtype = np.dtype(np.float16 if cache == "f16" else np.float32)
     one, index, ints = np.zeros((1, 1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int32)
     call = kernel.caller(task.slot_args({"q": one, "kv_heads": 1, "window": 0, "k": one, "v": one, "k_off": index,

@@ -8,7 +8,9 @@ inside the task's arguments, so a worker, a Ray node or a server never reads a k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.engine.ops import SLOTS, Ops, c_slot, slot_task
 from runtime.followed_runs import RunNotFound, RunReader
@@ -29,17 +31,18 @@ class KernelSource:
     flags: tuple[str, ...]
     task: str = ""  # the task that evolved it (empty: the slot's first built-in one)
     sha256: str = ""  # the hash its library must have when it is loaded (empty: not checked)
+    args: dict[str, Any] = field(default_factory=dict)  # the task's arguments it was rendered (and checked) with
 
 
-def kernel_offer(run: RunReader, slot: str, ids: list[str] | None, top: int) -> list[KernelSource]:
-    """The kernels ``run`` offers ``slot``: the listed ``ids``, or its ``top`` fittest ok elites, each
-    rendered with the run's own task. Raises :class:`RunNotFound` (a missing candidate, no ok elite yet)
-    and ValueError (the run's task does not fit the slot, a candidate that is not ok)."""
-    if slot not in SLOTS:
-        raise ValueError(f"unknown slot {slot!r} (slots: {', '.join(SLOTS)})")
+def kernel_offer(run: RunReader, slot: str, ids: list[str] | None, top: int,
+                 fills: Callable[[str, str], None] | None = None) -> list[KernelSource]:  # fmt: skip
+    """The kernels ``run`` offers ``slot``: the listed ``ids``, or its ``top`` fittest ok elites, each rendered
+    with the run's own task. ``fills(slot, task)`` raises ValueError where the run's task cannot fill the slot
+    (default: the encoder's slots). Raises :class:`RunNotFound` (a missing candidate, no ok elite yet) and
+    ValueError (the run's task does not fit the slot, a candidate that is not ok)."""
     spec = TaskSpec.model_validate({"name": run.task_name, "args": run.task_args})
     try:
-        slot_task(slot, spec.name)
+        (fills or _encoder_fills)(slot, spec.name)
     except ValueError as exc:
         raise ValueError(f"{run.path} evolved {spec.name!r} kernels: {exc}") from None
     chosen = ids if ids is not None else run.elite_ids(top)
@@ -51,8 +54,15 @@ def kernel_offer(run: RunReader, slot: str, ids: list[str] | None, top: int) -> 
         cand = run.stored(cid)
         if cand.status != "ok":
             raise ValueError(f"candidate {cand.id[:12]} in {run.path} is {cand.status}, not ok")
-        out.append(KernelSource(slot, cand.id, task.render(cand.genome), tuple(task.compile_flags()), spec.name))
+        out.append(KernelSource(slot, cand.id, task.render(cand.genome), tuple(task.compile_flags()), spec.name,
+                                args=task.args.model_dump(mode="json")))  # fmt: skip
     return out
+
+
+def _encoder_fills(slot: str, task: str) -> None:
+    if slot not in SLOTS:
+        raise ValueError(f"unknown slot {slot!r} (slots: {', '.join(SLOTS)})")
+    slot_task(slot, task)
 
 
 def compile_kernels(

@@ -18,60 +18,25 @@ from typing import Any
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
-from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param, SpaceError
+from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param
 from runtime.engine.engine import Engine, EngineConfig
-from runtime.engine.kernel_runs import KernelSource, RunNotFound, build_ops, compile_kernels, kernel_offer
+from runtime.engine.kernel_runs import KernelSource, build_ops, compile_kernels
 from runtime.engine.load import ServingLoad
 from runtime.engine.model import Model, Precision
-from runtime.engine.ops import SLOTS, numpy_ops, tasks_of_slot
-from runtime.followed_runs import FollowsRuns, OpenRun
+from runtime.engine.ops import SLOTS, numpy_ops, slot_task, tasks_of_slot
+from runtime.kernel_offers import KernelOfferArgs, KernelOffers, absolute_runs
 from runtime.settings import CompilerSettings
 from runtime.task import Descriptor, Task, TaskArgs
 from runtime.toolchain.cc import CompileResult
 
-__all__ = ["EngineArgs", "EngineTask", "KernelRun", "cosines"]
+__all__ = ["EngineArgs", "EngineTask", "cosines"]
 
 log = logging.getLogger(__name__)
 
 
-class OfferedKernel(BaseModel):
-    """A kernel elite a run offers, as read when the task was resolved: what the engine compiles."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    source: str
-    flags: list[str] = Field(default_factory=list)
-    task: str = ""
-
-
-class KernelRun(BaseModel):
-    """Where a slot's kernel choices come from: the ``top`` elites of a kernel run (or the listed ``ids``).
-
-    ``offered`` and ``unreadable`` are filled when the task is resolved (:meth:`EngineTask.resolve_args`),
-    not written by hand: the elites the run offered then, or why it could not be read."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    run_dir: str = Field(description="the kernel run's directory (relative: to where `evo run` runs)")
-    top: int = Field(3, ge=1, description="the fittest elites offered as choices")
-    ids: list[str] | None = Field(None, description="offer exactly these elite ids instead of the top ones")
-    optional: bool = Field(False, description="no such run (or no ok elite in it) leaves the slot to numpy "
-                           "instead of being an error")
-    follow: bool = Field(False, description="offer each new elite of the run's top ones as it lands during the "
-                         "search (read every `follow_every_s`), not only those there when the search started")
-    offered: dict[str, OfferedKernel] | None = Field(None, description="elite id -> its kernel, as read")
-    unreadable: str | None = Field(None, description="why the run could not be read when the task was resolved")
-
-    @field_validator("run_dir")
-    @classmethod
-    def _absolute(cls, v: str) -> str:
-        # a config's relative paths were made absolute when it was loaded (EngineTask.resolve_args)
-        return os.path.abspath(v)
-
-
-class EngineArgs(TaskArgs, ServingLoad):
+class EngineArgs(TaskArgs, ServingLoad, KernelOfferArgs):
     """The load an engine is measured under (:class:`ServingLoad`), its budgets, and what its genome may
     choose from."""
 
@@ -82,24 +47,15 @@ class EngineArgs(TaskArgs, ServingLoad):
         "than this; 0: before every candidate, side by side")
     precisions: list[Precision] = Field(default_factory=lambda: ["fp32"], description="precisions to choose from")
     max_batch: int = Field(64, ge=1, description="largest max_batch the space offers (a power of two)")
-    kernels: dict[str, KernelRun | list[KernelRun]] = Field(
-        default_factory=dict, description="slot -> the kernel run(s) offering choices (a list: several runs, "
-        "e.g. bf16 and int8 kernels for the linear slot)")
-
-    def kernel_runs(self, slot: str) -> list[KernelRun]:
-        runs = self.kernels.get(slot, [])
-        return runs if isinstance(runs, list) else [runs]
     seed: int = Field(0, description="seed of the request texts")
     check_texts: int = Field(32, ge=1, description="texts the similarity check compares with the fp32 engine (the "
                              "first fixed texts: at most `texts`)")
     duel_rounds: int = Field(2, ge=1, description="load rounds of each engine in a duel, alternating")
-    follow_every_s: float = Field(10.0, gt=0, description="how often the kernel runs marked `follow` are read "
-                                  "for new elites during the search")
     model_dir: str | None = Field(None, description="a BERT sentence encoder's directory, in the sentence-transformers "
                                   "layout (default: the bundled all-MiniLM-L6-v2)")
 
 
-class EngineTask(Task, FollowsRuns):
+class EngineTask(Task, KernelOffers):
     """Evolves an :class:`EngineConfig` for a BERT sentence encoder (default: the bundled MiniLM) under load
     (the ``engine`` backend)."""
 
@@ -110,136 +66,33 @@ class EngineTask(Task, FollowsRuns):
     backend = "engine"
     Args = EngineArgs
     args: EngineArgs
+    kernel_slots = SLOTS
 
     def __init__(self, args: Mapping[str, Any] | None = None) -> None:
         super().__init__(args)
-        self._choices: dict[str, list[str]] | None = None
         self._model: Model | None = None
         self._texts: list[str] | None = None
         self._reference: np.ndarray | None = None
-        self._sources: dict[tuple[str, str], KernelSource] = {}  # (slot, offered id) -> its kernel
 
     @classmethod
     def resolve_args(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
         """The kernel runs' and the model's directories made absolute against ``cwd``."""
-        out = dict(args)
-
-        def absolute(kr: Any) -> Any:
-            if isinstance(kr, Mapping) and isinstance(kr.get("run_dir"), str):
-                return {**kr, "run_dir": os.path.join(cwd, kr["run_dir"])}
-            return [absolute(k) for k in kr] if isinstance(kr, list) else kr
-
-        kernels = out.get("kernels")
-        if isinstance(kernels, Mapping):
-            out["kernels"] = {slot: absolute(kr) for slot, kr in kernels.items()}
+        out = absolute_runs(args, cwd)
         if isinstance(out.get("model_dir"), str):
             out["model_dir"] = os.path.join(cwd, out["model_dir"])
         return out
 
     @classmethod
-    def read_runs(cls, args: Mapping[str, Any], runs: OpenRun) -> dict[str, Any]:
-        """Each kernel run read once (``runs``: ``archive.Run.open``): its ``top`` elites frozen into its
-        ``ids`` and their rendered sources into ``offered``, or why it could not be read into ``unreadable``
-        (a resumed run, a worker, a Ray node or a server then offers exactly these kernels, even when that
-        kernel run went on evolving)."""
-
-        def read(kr: Any, slot: str) -> Any:
-            if isinstance(kr, Mapping) and isinstance(kr.get("run_dir"), str):
-                return _read(dict(kr), slot, runs)
-            return [read(k, slot) for k in kr] if isinstance(kr, list) else kr
-
-        out = dict(args)
-        kernels = out.get("kernels")
-        if isinstance(kernels, Mapping):
-            out["kernels"] = {slot: read(kr, slot) for slot, kr in kernels.items()}
-        return out
-
-    def offers_every_s(self) -> float:
-        followed = any(kr.follow for slot in self.args.kernels for kr in self.args.kernel_runs(slot))
-        return self.args.follow_every_s if followed else 0.0
-
-    @classmethod
-    def new_offers(cls, args: Mapping[str, Any], runs: OpenRun) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-        """Each followed kernel run's top elites that it did not offer yet added to its offer (a run not
-        there yet, or with no ok elite, is read again next time)."""
-        added: list[dict[str, Any]] = []
-
-        def grow(kr: Any, slot: str) -> Any:
-            if isinstance(kr, list):
-                return [grow(k, slot) for k in kr]
-            if not (isinstance(kr, Mapping) and kr.get("follow")):
-                return kr
-            got = _read({k: v for k, v in kr.items() if k not in ("ids", "offered", "unreadable")}, slot, runs)
-            offered = dict(kr.get("offered") or {})
-            new = {cid: k for cid, k in (got.get("offered") or {}).items() if cid not in offered}
-            if not new:
-                return kr
-            added.extend({"slot": slot, "run_dir": kr["run_dir"], "id": cid, "task": k["task"]}
-                         for cid, k in new.items())  # fmt: skip
-            rest = {k: v for k, v in kr.items() if k != "unreadable"}
-            return {**rest, "ids": [*(kr.get("ids") or []), *new], "offered": {**offered, **new}}
-
-        kernels = args.get("kernels")
-        if not isinstance(kernels, Mapping):
-            return None
-        grown = {slot: grow(kr, slot) for slot, kr in kernels.items()}
-        return ({**args, "kernels": grown}, added) if added else None
-
-    def offer_seeds(self, base: Genome | None, added: Sequence[Mapping[str, Any]]) -> list[Genome]:
-        """``base`` (else the default engine) with the newest kernel of every slot that has one (kernels found
-        for different slots are tried together: each alone may not lift an engine another slot holds back),
-        then with each new kernel alone in its slot."""
-        start = dict(base.params) if base is not None else dict(self.seeds()[0].params)
-        newest = {f"kernel_{slot}": ids[-1] for slot, ids in self.kernel_choices().items() if ids}
-        for a in reversed(added):  # a slot's new kernels come fittest first: its fittest goes in together
-            newest[f"kernel_{a['slot']}"] = a["id"][:16]
-        together = Genome(params={**start, **newest})
-        alone = [Genome(params={**start, f"kernel_{a['slot']}": a["id"][:16]}) for a in added]
-        return [together, *(g for g in alone if g.id != together.id)]
+    def check_fills(cls, slot: str, task: str) -> None:
+        if slot not in SLOTS:
+            raise ValueError(f"unknown slot {slot!r} (slots: {', '.join(SLOTS)})")
+        slot_task(slot, task)
 
     # --- the genome -----------------------------------------------------------------------------
 
     @property
     def cores(self) -> int:
         return max(1, min(self.args.threads, len(os.sched_getaffinity(0))))
-
-    def kernel_choices(self) -> dict[str, list[str]]:
-        """Slot -> elite ids offered (unique prefixes, as the genome names them)."""
-        if self._choices is None:
-            choices = {}
-            for slot in self.args.kernels:
-                if slot not in SLOTS:
-                    raise SpaceError(f"task.args.kernels: unknown slot {slot!r} (slots: {', '.join(SLOTS)})")
-                ids: list[str] = []
-                followed = False
-                for kr in self.args.kernel_runs(slot):
-                    followed = followed or kr.follow
-                    if not kr.offered:
-                        why = kr.unreadable or f"{kr.run_dir} was not read (the task's args were not resolved)"
-                        if kr.optional:
-                            log.info("task.args.kernels.%s: %s: not offered (yet)", slot, why)
-                            continue
-                        raise SpaceError(f"task.args.kernels.{slot}: {why}: evolve the kernels first, "
-                                         f"or drop the slot (or mark it optional: true)")
-                    for cid, kernel in kr.offered.items():
-                        short = cid[:16]  # a unique prefix keeps params readable
-                        if short not in ids:
-                            self._sources[(slot, short)] = KernelSource(slot, cid, kernel.source, tuple(kernel.flags),
-                                                                        kernel.task)  # fmt: skip
-                            ids.append(short)
-                if ids or followed:  # a followed run offers nothing yet: the slot's gene is there, numpy only
-                    choices[slot] = ids
-            self._choices = choices
-        return self._choices
-
-    def complete_space(self, space: ParamSpace) -> ParamSpace:
-        """A config's engine space plus a ``kernel_<slot>`` choice for each configured kernel run it does not
-        name itself (the elite ids are known only once the runs are read)."""
-        extra = {f"kernel_{slot}": ChoiceParam(type="choice", values=("numpy", *ids))
-                 for slot, ids in self.kernel_choices().items() if f"kernel_{slot}" not in space.names()}
-        if not extra:
-            return space
-        return ParamSpace({**space.params, **extra}, [c.text for c in space.constraints])
 
     def space(self) -> ParamSpace:
         c = self.cores
@@ -254,8 +107,7 @@ class EngineTask(Task, FollowsRuns):
             "blas_threads": IntParam(type="int", low=1, high=c),
             "precision": ChoiceParam(type="choice", values=tuple(self.args.precisions)),
         }
-        for slot, ids in self.kernel_choices().items():
-            params[f"kernel_{slot}"] = ChoiceParam(type="choice", values=("numpy", *ids))
+        params.update(self.kernel_genes())
         return ParamSpace(params, [f"workers * blas_threads <= {c}"])
 
     def seeds(self) -> list[Genome]:
@@ -293,7 +145,7 @@ class EngineTask(Task, FollowsRuns):
         self.texts()
         for slot, ids in self.kernel_choices().items():
             for cid in ids:
-                self._kernel_source(slot, cid)
+                self.kernel_source(slot, cid)
 
     def share_model(self, model: Model) -> None:
         """Uses already loaded fp32 weights instead of loading them again."""
@@ -326,18 +178,10 @@ class EngineTask(Task, FollowsRuns):
         """The fp32 numpy engine's embeddings of ``texts``, computed in this process."""
         return Engine(self.model(), numpy_ops(), EngineConfig()).embed(list(texts))
 
-    def _kernel_source(self, slot: str, cid: str) -> KernelSource:
-        self.kernel_choices()
-        found = self._sources.get((slot, cid)) or next(
-            (k for (sl, _), k in self._sources.items() if sl == slot and k.id.startswith(cid)), None)
-        if found is None:
-            raise RunNotFound(f"no kernel run of the {slot} slot offers a kernel {cid!r}")
-        return found
-
     def kernel_sources(self, config: EngineConfig, built: Mapping[str, str] | None = None) -> dict[str, KernelSource]:
         """The source of each kernel ``config`` names, by slot; with ``built`` (slot -> library hash, what its
         compile produced or a result recorded), each must load as that library."""
-        found = {slot: self._kernel_source(slot, cid) for slot, cid in config.kernels.items()}
+        found = {slot: self.kernel_source(slot, cid) for slot, cid in config.kernels.items()}
         return {slot: dataclasses.replace(ks, sha256=(built or {}).get(slot, "")) for slot, ks in found.items()}
 
     def compile_kernels(self, config: EngineConfig, *, compiler: CompilerSettings, cache_dir: str,
@@ -377,25 +221,6 @@ class EngineTask(Task, FollowsRuns):
             "max_batch": Descriptor("max_batch", "the genome's max batch size",
                                     lambda g, m: float(g.params.get("max_batch", 1)), 0.0, 64.0),
         }
-
-
-def _read(kr: dict[str, Any], slot: str, runs: OpenRun) -> dict[str, Any]:
-    """A kernel run entry of ``slot`` with what the run offers read into it (as given when it was read
-    already)."""
-    if kr.get("offered") is not None or kr.get("unreadable") is not None:
-        return kr  # read once already: a resumed run offers what it did (a followed run grows by new_offers)
-    try:
-        run = runs(kr["run_dir"])
-        try:
-            ids = kr.get("ids")
-            offer = kernel_offer(run, slot, list(ids) if ids is not None else None,
-                                 int(kr.get("top", KernelRun.model_fields["top"].default)))  # fmt: skip
-        finally:
-            run.close()
-    except (RunNotFound, ValueError, TypeError) as exc:
-        return {**{k: v for k, v in kr.items() if k != "unreadable"}, "unreadable": str(exc)}
-    return {**{k: v for k, v in kr.items() if k != "unreadable"}, "ids": [k.id for k in offer],
-            "offered": {k.id: {"source": k.source, "flags": list(k.flags), "task": k.task} for k in offer}}
 
 
 class FreshTexts(Sequence[str]):

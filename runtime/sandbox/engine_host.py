@@ -45,7 +45,7 @@ import numpy as np
 from runtime.engine.profile import time_forward
 from runtime.sandbox.engine_wire import decode_batch, encode_result, read_frame, write_frame
 from runtime.sandbox.filters import compiled_filters, load_filter
-from runtime.sandbox.landlock import SYSTEM_ROOTS, confine_files
+from runtime.sandbox.landlock import confine_to_code
 from runtime.sandbox.limits import lock_file_size
 
 if TYPE_CHECKING:
@@ -83,20 +83,7 @@ def _load(build: Callable[[], Engine], filters: dict[str, bytes] | None, cache_d
     """The engine, its kernels loaded with its files confined and under the filter, and run once, then no new
     code. Files: read-only, beneath the system's directories, the interpreter's and the compile cache: no run
     directory, no worker's working directory, no other candidate's source or output."""
-    import genome
-    import runtime
-
-    ours = [os.path.dirname(m.__file__ or "") for m in (runtime, genome)]  # our packages, not the tree around them
-    checkout = os.path.dirname(ours[0])  # a source checkout (runs may live in it), unless installed
-    closed = {os.getcwd(), *([] if checkout.endswith(("site-packages", "dist-packages")) else [checkout])}
-    python = {p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path, *ours)
-              if p and os.path.isdir(p) and os.path.abspath(p) not in closed}  # fmt: skip
-    cache = os.open(cache_dir, os.O_PATH | os.O_DIRECTORY) if cache_dir else None
-    try:
-        confine_files((*SYSTEM_ROOTS, *sorted(python)), [cache] if cache is not None else [])
-    finally:
-        if cache is not None:
-            os.close(cache)
+    confine_to_code(cache_dir)
     if filters is not None:
         load_filter(filters["engine"])
     engine = build()

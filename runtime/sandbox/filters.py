@@ -90,6 +90,9 @@ _DENIED = (
     # the page cache as a message board: evict a shared file's pages, or see without loading them which are in
     "fadvise64", "preadv2", "pwritev2", "mincore",
 )  # fmt: skip
+# A chat host serves on the listening socket it was handed: with no socket made or bound, listen and accept
+# reach only that one (asyncio calls listen on it again).
+_SERVING = ("listen", "accept", "accept4")
 _MADV_COLD, _MADV_PAGEOUT = 20, 21  # evict (or age) a file mapping's pages: the page cache as a message board
 # Signal-driven I/O: a process that owns a descriptor's signals runs its handler whenever the worker writes
 # to it (the worker's requests, its calibration), which no clock of the worker may include.
@@ -104,7 +107,8 @@ _MAP_ANONYMOUS = 0x20
 def compiled_filters() -> dict[str, bytes] | None:
     """The hosts' system-call filters as BPF programs (see the module docstring), compiled once, in the
     worker: ``one_thread`` and ``threads`` (one per thread policy of a kernel), ``engine`` (an engine's
-    host: threads, forked workers and local socket pairs for them), ``device`` (a CUDA host: ``threads``
+    host: threads, forked workers and local socket pairs for them), ``chat`` (a chat engine's host: threads,
+local socket pairs, and ``listen`` and ``accept`` on the listener it is handed), ``device`` (a CUDA host: ``threads``
     but for ``memfd_create``, which the driver may use), and ``no_exec`` (loaded on top once the
     candidate's code is in). ``None`` without libseccomp."""
     try:
@@ -113,9 +117,11 @@ def compiled_filters() -> dict[str, bytes] | None:
         return None
     eperm = sc.ERRNO(errno.EPERM)
 
-    def base(*, pairs: bool = False, memfd: bool = False) -> Any:
+    def base(*, pairs: bool = False, memfd: bool = False, serves: bool = False) -> Any:
         f = sc.SyscallFilter(defaction=sc.ALLOW)
         for call in _DENIED if memfd else (*_DENIED, "memfd_create"):  # no code written to memory, then mapped
+            if serves and call in _SERVING:
+                continue
             if pairs and call == "socketpair":
                 f.add_rule(eperm, call, sc.Arg(0, sc.NE, socket.AF_UNIX))  # an unnamed local pair reaches no one
                 continue
@@ -149,13 +155,15 @@ def compiled_filters() -> dict[str, bytes] | None:
     threads = base()
     threads.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))  # threads, never a process
     engine = base(pairs=True)  # an engine's host: threads and its own worker processes (clone) allowed
+    chat = base(pairs=True, serves=True)  # a chat engine's host: threads, its event loop's pair, its listener
+    chat.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
     device = base(memfd=True)  # a CUDA host: the driver's threads (its code is ours; the candidate's is device code)
     device.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
     no_exec = sc.SyscallFilter(defaction=sc.ALLOW)  # once the library is in: no executable mapping at all
     no_exec.add_rule(eperm, "mmap", sc.Arg(2, sc.MASKED_EQ, _PROT_EXEC, _PROT_EXEC))
     out = {}
-    for key, f in (("one_thread", one_thread), ("threads", threads), ("engine", engine), ("device", device),
-                   ("no_exec", no_exec)):  # fmt: skip
+    for key, f in (("one_thread", one_thread), ("threads", threads), ("engine", engine), ("chat", chat),
+                   ("device", device), ("no_exec", no_exec)):  # fmt: skip
         r, w = os.pipe()
         try:
             f.export_bpf(os.fdopen(os.dup(w), "wb"))

@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import sys
 from collections.abc import Iterable
 
-__all__ = ["SYSTEM_ROOTS", "confine_files"]
+__all__ = ["SYSTEM_ROOTS", "confine_files", "confine_to_code"]
 
 
 SYSTEM_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/etc", "/proc", "/sys", "/dev")
@@ -50,3 +51,24 @@ def confine_files(roots: Iterable[str] = SYSTEM_ROOTS, fds: Iterable[int] = ()) 
         return libc.syscall(446, ctypes.c_int(rules), ctypes.c_uint32(0)) == 0
     finally:
         os.close(rules)
+
+
+def confine_to_code(cache_dir: str | None) -> bool:
+    """:func:`confine_files` to what a Python host of candidate kernels reads: the system's directories, the
+    interpreter's and evoforge's packages, and the compile cache (``cache_dir``; a ``/proc/self/fd`` path is
+    opened through its descriptor). No run directory, no working directory, no source checkout around the
+    packages (runs may live in it), no other candidate's source or output."""
+    import genome
+    import runtime
+
+    ours = [os.path.dirname(m.__file__ or "") for m in (runtime, genome)]
+    checkout = os.path.dirname(ours[0])
+    closed = {os.getcwd(), *([] if checkout.endswith(("site-packages", "dist-packages")) else [checkout])}
+    python = {p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path, *ours)
+              if p and os.path.isdir(p) and os.path.abspath(p) not in closed}  # fmt: skip
+    cache = os.open(cache_dir, os.O_PATH | os.O_DIRECTORY) if cache_dir else None
+    try:
+        return confine_files((*SYSTEM_ROOTS, *sorted(python)), [cache] if cache is not None else [])
+    finally:
+        if cache is not None:
+            os.close(cache)
