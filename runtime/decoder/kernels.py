@@ -283,8 +283,8 @@ def c_attention(
     """The ``attention`` slot on the ``attention_decode`` task's kernel (``source``, e.g. a kernel run's elite,
     rendered for ``cache``'s type; else ``genome``, default its template seed), compiled for ``threads`` threads:
     every sequence of a forward pass in one call (decode steps and prompts' chunks alike, each query's output
-    independent of the others), over the caches where they are (each passed as its offset from the first, from the addresses a cache keeps), of ``cache``'s type (``fp32`` or ``f16``; a
-    cache of another is a ValueError)."""
+    independent of the others), over the caches where they are (each passed as its offset from the first, from
+    the addresses a cache keeps), of ``cache``'s type (``fp32`` or ``f16``; a cache of another is a ValueError)."""
     from runtime.tasks.attention_decode import AttentionDecode
 
     task = AttentionDecode({"threads": threads, "cache": cache})
