@@ -92,15 +92,18 @@ class ChatState:
 
 def create_chat_app(model: DecoderModel, engine: ChatEngine | None = None, *, model_ids: tuple[str, ...],
                     budgets: SchedulerConfig | None = None, api_key: str | None = None,
-                    limits: Limits | None = None, cache_dir: str | None = None) -> ASGIApp:  # fmt: skip
+                    limits: Limits | None = None, cache_dir: str | None = None,
+                    decoder: Decoder | None = None) -> ASGIApp:  # fmt: skip
     """The app serving ``model`` (loaded already) as ``model_ids[0]`` on ``engine`` (built here; raises
     :class:`EngineUnfit` where this machine cannot run it); its engine thread starts here, and finishes every
     request it holds when the app shuts down. ``budgets``: the KV cache and the waiting queue, kept across
-    swaps (``POST /admin/engine``). ``cache_dir``: where the kernels compile (default ``~/.cache/evoforge/kernels``)."""
+    swaps (``POST /admin/engine``). ``cache_dir``: where the kernels compile (default ``~/.cache/evoforge/kernels``).
+    ``decoder``: ``engine`` built already (by a sandboxed host, which loads its kernels before it serves)."""
     engine = engine or ChatEngine()
     limits = limits or Limits()
-    engine_threads(engine)  # before any kernel loads: OpenMP reads its team's size once, when it starts
-    decoder = build(model, engine, cache_dir=cache_dir)
+    if decoder is None:
+        engine_threads(engine)  # before any kernel loads: OpenMP reads its team's size once, when it starts
+        decoder = build(model, engine, cache_dir=cache_dir)
     state = ChatState(model, engine, None, budgets or SchedulerConfig(), None, limits,  # type: ignore[arg-type]
                       api_key or None, model_ids, cache_dir=cache_dir)  # fmt: skip
     state.metrics = ChatMetrics(state.schedulers, state.budgets.kv_budget_bytes)

@@ -5,17 +5,24 @@ closed-loop streaming load.
 Stages and statuses are the C backend's: a genome outside the engine's options, or one this machine cannot
 run, is ``invalid``; a host that does not come up ``crash``; an engine under the fidelity floor ``wrong``.
 
-- **Fidelity.** The engine's numerics (what runs the GEMMs, the other slots, the KV cache's type) teacher-forced
-  on the task's held-out texts against the fp32 numpy engine, computed in the worker: top-1 agreement and mean
-  KL must hold the task's floor (:class:`runtime.decoder.fidelity.Floor`). Engines that differ only in batching
-  or threads share the figure.
+- **Kernels.** Every library an engine loads (its slots' built-in kernels, and the kernel runs' elites its genome
+  names) is compiled in the worker, and loaded only in the host, under its system-call filter, each as the
+  build the worker compiled (:mod:`runtime.sandbox.chat_host`).
+- **Fidelity.** An engine on built-in kernels only: its numerics (what runs the GEMMs, the other slots, the KV
+  cache's type) teacher-forced on the task's held-out texts against the fp32 numpy engine, computed in the
+  worker: top-1 agreement and mean KL must hold the task's floor (:class:`runtime.decoder.fidelity.Floor`).
+  Engines that differ only in batching or threads share the figure. An engine with an evolved kernel never runs
+  in the worker: the host answers the held-out texts as prompts, and its answers are checked as the load's are.
 - **The load.** ``streams`` clients in the worker stream greedy chat completions from the host (fresh prompts
   each load, one warm-up request first), the host's processes pinned to the task's cores under the timing lock.
-  Every figure is the clients' (:mod:`runtime.decoder.chat_load`); every request asks for its tokens' ids
-  (``logprobs``). Then ``verified`` answers, chosen once the load is over, are teacher-forced through the fp32
-  engine here: each answer's ids must spell its streamed text and number the usage the host reported, and the
-  share of them that are the fp32 engine's top-1 must be within ``_VERIFY_MARGIN`` of the floor, or the engine
-  is ``wrong`` (it served something other than what was checked, or miscounted its tokens).
+  Every figure is the clients' (:mod:`runtime.decoder.chat_load`); every request asks for its tokens' ids and
+  their ``_TOP`` likeliest rivals (``logprobs``). Then ``verified`` answers, chosen once the load is over, are
+  teacher-forced through the fp32 engine here (:func:`runtime.decoder.fidelity.served_divergence`): each
+  answer's ids must spell its streamed text and number the usage the host reported, each served token must be
+  the likeliest the host reported, the share of them that are the fp32 engine's top-1 must be within
+  ``_VERIFY_MARGIN`` of the floor, and the mean KL over the reported tokens (a lower bound of the full KL) must
+  hold the floor, or the engine is ``wrong`` (it served something other than what was checked, or misreported
+  its tokens). The host cannot tell which answers are checked, so it must serve every one as checked.
 - **The reference** is the default engine (``evo serve --gguf``'s) under the same load, cores and path, again
   whenever its figures are older than ``reference_every_s``; ``vs_reference`` is the candidate's tokens/s over it.
 """
@@ -43,14 +50,16 @@ from runtime.backends.base import (
     Program,
     WorkerContext,
 )
-from runtime.decoder.chat_load import ChatLoad, LoadFailed, chat, run_load
-from runtime.decoder.engine import ChatEngine, EngineUnfit, build
+from runtime.decoder.chat_load import Answer, ChatLoad, LoadFailed, chat, run_load
+from runtime.decoder.engine import ChatEngine, EngineUnfit, build, compile_engine
 from runtime.decoder.engine_task import ChatEngineTask
-from runtime.decoder.fidelity import Fidelity, fidelity
+from runtime.decoder.fidelity import Fidelity, fidelity, forced_logits, served_divergence
 from runtime.decoder.models import ModelNotFound, model_file
 from runtime.decoder.ops import DecoderOps
+from runtime.engine.kernel_runs import KernelSource
+from runtime.followed_runs import RunNotFound
 from runtime.result import Status
-from runtime.sandbox.chat_host import ChatHost, ChatHostFailed, ChatTemplate, prime_chat_host
+from runtime.sandbox.chat_host import ChatHost, ChatHostFailed, ChatHostTemplate, prime_chat_host
 from runtime.sandbox.hosted_engine import pin, process_tree
 from runtime.settings import EvalSettings
 from runtime.timing import TimingLock, pinned
@@ -59,6 +68,8 @@ from runtime.toolchain.cc import CompileError, CompilerNotFound, compiler_versio
 __all__ = ["ChatEngineBackend", "ChatEngineProgram", "Measured"]
 
 _VERIFY_MARGIN = 0.10  # a greedy answer's own tokens agree with the fp32 engine a little less than teacher-forced text
+_TOP = 20  # rivals reported per served token (OpenAI's top_logprobs at most): the verified KL's resolution
+_CHECK_TOKENS = 32  # each held-out text's answer, where the check reads an evolved engine's answers
 
 
 @dataclass
@@ -90,7 +101,7 @@ def measure(host: ChatHost, task: ChatEngineTask, cores: set[int], salt: int | N
 
     try:
         chat(host.port, prompts[0], 4)
-        load = run_load(host.port, prompts[1:], a.streams, a.max_tokens, ids=True, tick=sample)
+        load = run_load(host.port, prompts[1:], a.streams, a.max_tokens, ids=True, top=_TOP, tick=sample)
     except LoadFailed as exc:
         deadline = time.monotonic() + 2.0  # a killed host's streams break before its process is gone
         while host.alive() and time.monotonic() < deadline:
@@ -99,6 +110,46 @@ def measure(host: ChatHost, task: ChatEngineTask, cores: set[int], salt: int | N
         raise Failure(Status.CRASH, f"{why} under load: {exc}; its log: {host.tail(600)}") from None
     sample()
     return Measured(load, peak[0] / 2**20)
+
+
+def served_fidelity(task: ChatEngineTask, answers: list[Answer], name: str) -> dict[str, Any]:
+    """``answers`` (greedy, each with its ids and the rivals the host reported) teacher-forced through the fp32
+    engine here: the share of served tokens that are its top-1 (``<name>_top1``) and the mean KL over the reported
+    tokens (``<name>_kl``). Raises :class:`Failure` (``wrong``) where an answer's ids do not spell its text or
+    number its usage, where a served token is not the likeliest the host reported, or under the task's floor."""
+    floor, model = task.args.floor, task.model()
+    kls, agree, contradictions = [], [], 0
+    for answer in answers:
+        got = answer.token_ids
+        # a character cut by the last token is held back by the stream: only its replacement may differ
+        spelled = model.tokenizer.decode(got).rstrip("\ufffd") == answer.text.rstrip("\ufffd")
+        if len(got) != answer.completion_tokens or not spelled or len(answer.reported) != len(got):
+            raise Failure(Status.WRONG, f"an answer's text and tokens disagree: {len(got)} tokens listed, "
+                          f"{answer.completion_tokens} reported, {len(answer.reported)} with their rivals, and its "
+                          f"text {'is' if spelled else 'is not'} theirs",
+                          metrics={f"{name}_answers": len(answers)})  # fmt: skip
+        prompt = model.tokenizer.encode_chat([{"role": "user", "content": answer.prompt}])
+        ids = prompt + got
+        logits = model.forward([ids], [model.new_cache(len(ids))], DecoderOps(), all_logits=True)
+        kl, same, wrong = served_divergence(logits[len(prompt) - 1 : len(ids) - 1], got, answer.reported,
+                                            never=model.tokenizer.end_ids)  # fmt: skip
+        kls.append(kl)
+        agree.append(same)
+        contradictions += wrong
+    kl_all, agree_all = np.concatenate(kls or [np.zeros(0)]), np.concatenate(agree or [np.zeros(0, bool)])
+    share = float(agree_all.mean()) if agree_all.size else 1.0
+    mean_kl = float(kl_all.mean()) if kl_all.size else 0.0
+    metrics = {f"{name}_top1": share, f"{name}_kl": mean_kl, f"{name}_answers": len(answers)}
+    if contradictions:
+        raise Failure(Status.WRONG, f"{contradictions} served tokens are not the likeliest the engine reported for "
+                      "their place: it served something other than what it reports", metrics=metrics)  # fmt: skip
+    least = floor.top1 - _VERIFY_MARGIN
+    if share < least or mean_kl > floor.mean_kl:
+        raise Failure(Status.WRONG, f"{name} answers: {share:.3f} of their tokens are the fp32 engine's top-1 (at "
+                      f"least {least:.2f} expected) and the mean KL over the reported tokens is {mean_kl:.5f} nats "
+                      f"(at most {floor.mean_kl:g}): it served something other than what holds the floor",
+                      metrics=metrics)  # fmt: skip
+    return metrics
 
 
 @dataclass
@@ -124,6 +175,16 @@ class ChatEngineProgram(Program):
 
     def check(self, trials: int) -> dict[str, Any]:
         t0 = time.perf_counter()
+        if self.engine.kernels:  # evolved kernels run only in the host: its answers to the held-out texts
+            try:
+                texts = self.task.check_texts()
+                load = run_load(self.host.port, texts, len(texts), _CHECK_TOKENS, ids=True, top=_TOP)
+            except LoadFailed as exc:
+                raise Failure(Status.CRASH, f"the engine's host failed the check's requests: {exc}; its log: "
+                              f"{self.host.tail(600)}") from None  # fmt: skip
+            found = served_fidelity(self.task, load.answers, "check")
+            self.calls_s += time.perf_counter() - t0
+            return found
         found = self.backend.fidelity(self.task, self.engine, self.ctx)
         spent = time.perf_counter() - t0
         self.calls_s += spent
@@ -137,33 +198,11 @@ class ChatEngineProgram(Program):
 
     def _verify(self, measured: Measured) -> dict[str, Any]:
         """``verified`` answers of the load, chosen now, against the fp32 engine; raises :class:`Failure`."""
-        a = self.task.args
         answers = measured.load.answers
         rng = np.random.default_rng(secrets.randbits(63))
-        picked = [answers[i] for i in rng.choice(len(answers), size=min(a.verified, len(answers)), replace=False)]
-        model = self.task.model()
-        agree, total = 0, 0
-        for answer in picked:
-            got = answer.token_ids
-            # a character cut by the last token is held back by the stream: only its replacement may differ
-            spelled = model.tokenizer.decode(got).rstrip("\ufffd") == answer.text.rstrip("\ufffd")
-            if len(got) != answer.completion_tokens or not spelled:
-                raise Failure(Status.WRONG, f"an answer's text and tokens disagree: {len(got)} tokens listed, "
-                              f"{answer.completion_tokens} reported, and its text {'is' if spelled else 'is not'} "
-                              "theirs", metrics={"verified_answers": len(picked)})  # fmt: skip
-            prompt = model.tokenizer.encode_chat([{"role": "user", "content": answer.prompt}])
-            ids = prompt + got
-            logits = model.forward([ids], [model.new_cache(len(ids))], DecoderOps(), all_logits=True)
-            predicted = logits[len(prompt) - 1 : len(ids) - 1].argmax(axis=-1)
-            agree += int((predicted == np.asarray(got)).sum())
-            total += len(got)
-        share = agree / total if total else 1.0
-        least = a.floor.top1 - _VERIFY_MARGIN
-        if share < least:
-            raise Failure(Status.WRONG, f"under load, {share:.3f} of the answers' tokens are the fp32 engine's top-1 "
-                          f"(at least {least:.2f} expected): it served something other than what was checked",
-                          metrics={"verified_top1": share})  # fmt: skip
-        return {"verified_top1": share, "verified_answers": len(picked)}
+        picked = [answers[i] for i in rng.choice(len(answers), size=min(self.task.args.verified, len(answers)),
+                                                 replace=False)]  # fmt: skip
+        return served_fidelity(self.task, picked, "verified")
 
     def time(self) -> Measurement:
         task, settings, ref = self.task, self.settings, self.backend.reference_of(self.task)
@@ -172,7 +211,7 @@ class ChatEngineProgram(Program):
         with self.ctx.lock.held() as waited, pinned(settings.timing.core, task.cores) as cores:  # type: ignore[union-attr]
             age = time.monotonic() - ref.at
             if ref.measured is None or age > a.reference_every_s:
-                default = self.backend.serve(task, ChatEngine(threads=task.cores), self.ctx)
+                default = self.backend.serve_default(task, settings, self.ctx)
                 try:
                     ref.measured, ref.at, age = measure(default, task, cores), time.monotonic(), 0.0
                 finally:
@@ -217,7 +256,7 @@ class ChatEngineBackend(Backend[ChatEngineTask]):
     check_columns = (Column("top1", "top-1"), Column("mean_kl", "mean KL"))
 
     def __init__(self) -> None:
-        self._templates: dict[str, ChatTemplate] = {}
+        self._templates: dict[str, ChatHostTemplate] = {}
         self._references: dict[str, _Reference] = {}
         self._fidelity: dict[tuple[str, ...], Fidelity] = {}
         self._live: set[int] = set()
@@ -234,22 +273,27 @@ class ChatEngineBackend(Backend[ChatEngineTask]):
         if found is None:
             model = task.model()
             candidate = build(model, engine.model_copy(update={"threads": 1}), cache_dir=ctx.cache_dir)
-            found = self._fidelity[key] = fidelity(model, DecoderOps(), candidate.ops, task.check_texts())
+            # the candidate's model keeps its own KV cache type: an f16 cache is part of its numerics
+            found = self._fidelity[key] = fidelity(model, DecoderOps(), forced_logits(candidate.model, candidate.ops),
+                                                   task.check_texts())  # fmt: skip
         return found
 
     # --- hosts -------------------------------------------------------------------------------------
 
-    def template(self, task: ChatEngineTask, ctx: WorkerContext) -> ChatTemplate:
+    def template(self, task: ChatEngineTask, ctx: WorkerContext) -> ChatHostTemplate:
         key = task.args.model
         found = self._templates.get(key)
         if found is None or not found.alive:
-            found = self._templates[key] = ChatTemplate(task.model(), task.model_id(), cache_dir=ctx.cache_dir,
+            found = self._templates[key] = ChatHostTemplate(task.model(), task.model_id(), cache_dir=ctx.cache_dir,
                                                         log_dir=ctx.work_dir)  # fmt: skip
         return found
 
-    def serve(self, task: ChatEngineTask, engine: ChatEngine, ctx: WorkerContext) -> ChatHost:
-        """A host serving ``engine``, ready. Raises :class:`Failure` (``crash``) where it does not come up."""
-        host = self.template(task, ctx).spawn(engine, kv_budget_bytes=int(task.args.kv_cache_mb * 2**20))
+    def serve(self, task: ChatEngineTask, engine: ChatEngine, built: dict[str, KernelSource], settings: EvalSettings,
+              ctx: WorkerContext) -> ChatHost:  # fmt: skip
+        """A host serving ``engine`` on ``built`` (:func:`compile_engine`'s answer), ready. Raises :class:`Failure`
+        (``crash``) where it does not come up."""
+        host = self.template(task, ctx).spawn(engine, built, compiler=settings.compiler,
+                                              kv_budget_bytes=int(task.args.kv_cache_mb * 2**20))  # fmt: skip
         self._live.add(host.pid)
         try:
             host.wait_ready()
@@ -257,6 +301,12 @@ class ChatEngineBackend(Backend[ChatEngineTask]):
             self.release(host)
             raise Failure(Status.CRASH, str(exc)) from None
         return host
+
+    def serve_default(self, task: ChatEngineTask, settings: EvalSettings, ctx: WorkerContext) -> ChatHost:
+        """A host serving the default engine (``evo serve --gguf``'s, on the task's cores)."""
+        engine = ChatEngine(threads=task.cores)
+        built = compile_engine(engine, compiler=settings.compiler, cache_dir=ctx.cache_dir, work_dir=ctx.work_dir)
+        return self.serve(task, engine, built, settings, ctx)
 
     def release(self, host: ChatHost) -> None:
         self._live.discard(host.pid)
@@ -282,9 +332,7 @@ class ChatEngineBackend(Backend[ChatEngineTask]):
     def prepare_worker(self, task: ChatEngineTask, lock: TimingLock) -> None:
         """Loads the model and the held-out texts, and whatever a host serves with (see
         :func:`runtime.sandbox.chat_host.prime_chat_host`)."""
-        task.model()
-        task.corpus_ids()
-        task.check_texts()
+        task.prime()
         prime_chat_host(task.model(), task.model_id())
 
     def sandboxed(self, task: ChatEngineTask, ctx: WorkerContext) -> None:
@@ -292,19 +340,19 @@ class ChatEngineBackend(Backend[ChatEngineTask]):
         self.template(task, ctx)
 
     def compile(self, task: ChatEngineTask, genome: Genome, settings: EvalSettings, ctx: WorkerContext) -> Build:
-        """``genome``'s engine, validated, and what it needs checked against this machine (its kernels compile in
-        its host)."""
+        """``genome``'s engine, validated, and every library it loads compiled into the cache (none loaded)."""
         try:
             engine = task.engine(genome)
             engine.check()
-        except (ValueError, ValidationError, TypeError) as exc:  # EngineUnfit is a ValueError
-            why = str(exc) if isinstance(exc, EngineUnfit) else f"not a chat engine: {exc}"
+            built = compile_engine(engine, task.kernel_sources(engine), compiler=settings.compiler,
+                                   cache_dir=ctx.cache_dir, work_dir=ctx.work_dir)  # fmt: skip
+        except (ValueError, ValidationError, TypeError, RunNotFound) as exc:  # EngineUnfit is a ValueError
+            why = str(exc) if isinstance(exc, EngineUnfit | RunNotFound) else f"not a chat engine: {exc}"
             raise Failure(Status.INVALID, why) from None
-        return Build(genome, engine)
-
-    def load(self, task: ChatEngineTask, build: Build, settings: EvalSettings, ctx: WorkerContext) -> ChatEngineProgram:
-        try:
-            host = self.serve(task, build.artifact, ctx)
         except CompileError as exc:
             raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
-        return ChatEngineProgram(task, host, build.artifact, settings, ctx, self)
+        return Build(genome, (engine, built), 0.0, {"kernel_sha256": {part: ks.sha256 for part, ks in built.items()}})
+
+    def load(self, task: ChatEngineTask, build: Build, settings: EvalSettings, ctx: WorkerContext) -> ChatEngineProgram:
+        engine, built = build.artifact
+        return ChatEngineProgram(task, self.serve(task, engine, built, settings, ctx), engine, settings, ctx, self)

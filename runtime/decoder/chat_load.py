@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -39,16 +40,22 @@ class Answer:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)  # the answer's tokens, where asked for (``ids``)
+    reported: list[list[tuple[int, float]]] = field(default_factory=list)  # each token's likeliest (``top``)
 
 
-def chat(port: int, prompt: str, max_tokens: int, *, ids: bool = False, timeout: float = 600.0) -> Answer:
+def chat(port: int, prompt: str, max_tokens: int, *, ids: bool = False, top: int = 0,
+         timeout: float = 600.0) -> Answer:  # fmt: skip
     """One streamed greedy chat request to ``127.0.0.1:port``: its chunks' arrival times, its text and the usage
     the server reported; with ``ids``, its tokens too (``logprobs``, whose entries carry each token's id as
-    evoforge's and llama.cpp's servers give it). Raises :class:`LoadFailed`."""
-    request = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    if ids:
+    evoforge's and llama.cpp's servers give it), and with ``top`` each token's ``top`` likeliest tokens and their
+    log-probabilities as the server reported them. Raises :class:`LoadFailed`."""
+    request: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                               "temperature": 0, "ignore_eos": True, "stream": True,
+                               "stream_options": {"include_usage": True}}  # fmt: skip
+    if ids or top:
         request["logprobs"] = True
+    if top:
+        request["top_logprobs"] = top
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     answer = Answer(prompt, time.perf_counter())
     parts: list[str] = []
@@ -70,8 +77,11 @@ def chat(port: int, prompt: str, max_tokens: int, *, ids: bool = False, timeout:
                 raise LoadFailed(f"the stream failed: {event['error'].get('message')}")
             choices = event.get("choices") or ()
             text = "".join(c.get("delta", {}).get("content") or "" for c in choices)
-            for c in choices if ids else ():
-                answer.token_ids += [int(e["id"]) for e in (c.get("logprobs") or {}).get("content") or ()]
+            for c in choices if ids or top else ():
+                entries = (c.get("logprobs") or {}).get("content") or ()
+                answer.token_ids += [int(e["id"]) for e in entries]
+                answer.reported += [[(int(t["id"]), float(t["logprob"])) for t in e.get("top_logprobs") or ()]
+                                    for e in entries if top]  # fmt: skip
             if text:
                 answer.stamps.append(now)
                 parts.append(text)
@@ -108,7 +118,7 @@ class ChatLoad:
                 "itl_p50": self.itl_s[0], "itl_p99": self.itl_s[1]}  # fmt: skip
 
 
-def run_load(port: int, prompts: Sequence[str], streams: int, max_tokens: int, *, ids: bool = False,
+def run_load(port: int, prompts: Sequence[str], streams: int, max_tokens: int, *, ids: bool = False, top: int = 0,
              tick: Callable[[], None] | None = None, timeout: float = 600.0) -> ChatLoad:  # fmt: skip
     """``streams`` closed-loop clients over ``prompts`` (client ``i`` sends every ``streams``-th, in order), each
     request as :func:`chat` sends it; ``tick`` is called every 0.2 s while they run (e.g. to sample the server's
@@ -122,7 +132,7 @@ def run_load(port: int, prompts: Sequence[str], streams: int, max_tokens: int, *
             if errors:
                 return
             try:
-                a = chat(port, prompt, max_tokens, ids=ids, timeout=timeout)
+                a = chat(port, prompt, max_tokens, ids=ids, top=top, timeout=timeout)
             except LoadFailed as exc:
                 errors.append(exc)
                 return

@@ -24,15 +24,17 @@ from pydantic import Field, model_validator
 from genome import ChoiceParam, Genome, IntParam, ParamSpace, Pow2Param
 from runtime.decoder.engine import ChatEngine
 from runtime.decoder.fidelity import Floor
-from runtime.decoder.kernels import PRECISIONS, DecoderKernelError, linear_task
+from runtime.decoder.kernels import KERNEL_SLOTS, PRECISIONS, DecoderKernelError, linear_task, parse_mix, precision_of
 from runtime.decoder.model import DecoderModel, load_decoder
 from runtime.decoder.models import MODELS, model_file
-from runtime.task import Descriptor, Task, TaskArgs
+from runtime.engine.kernel_runs import KernelSource
+from runtime.kernel_offers import KernelOfferArgs, KernelOffers, absolute_runs
+from runtime.task import Descriptor, Task, TaskArgs, load_task_class
 
 __all__ = ["ChatEngineArgs", "ChatEngineTask", "runnable_precisions"]
 
 
-class ChatEngineArgs(TaskArgs):
+class ChatEngineArgs(TaskArgs, KernelOfferArgs):
     """The model, the load an engine is measured under, its budgets and its fidelity floor."""
 
     model: str = Field("smollm2", description="a GGUF chat model: a path, or smollm2 / gemma3 (their packages' files)")
@@ -83,6 +85,13 @@ def runnable_precisions() -> list[str]:
     return out
 
 
+def _precisions(linear: str) -> set[str]:
+    if linear == "numpy":
+        return set()
+    precision, matrices = parse_mix(linear)
+    return {precision, *matrices.values()}
+
+
 @cache
 def corpus() -> str:
     """English text that ships with evoforge (its decoder's module documentation): held-out texts and prompts."""
@@ -93,7 +102,7 @@ def corpus() -> str:
     return "\n\n".join(d for d in docs if d)
 
 
-class ChatEngineTask(Task):
+class ChatEngineTask(Task, KernelOffers):
     """Evolves a :class:`ChatEngine` for a GGUF chat model (default SmolLM2-135M-Instruct) under generative load
     (the ``chat_engine`` backend)."""
 
@@ -104,6 +113,7 @@ class ChatEngineTask(Task):
     backend = "chat_engine"
     Args = ChatEngineArgs
     args: ChatEngineArgs
+    kernel_slots = KERNEL_SLOTS
 
     def __init__(self, args: Mapping[str, Any] | None = None) -> None:
         super().__init__(args)
@@ -112,12 +122,25 @@ class ChatEngineTask(Task):
 
     @classmethod
     def resolve_args(cls, args: Mapping[str, Any], cwd: str) -> dict[str, Any]:
-        """A model given as a relative path is made absolute against ``cwd`` (workers run elsewhere)."""
-        out = dict(args)
+        """A model given as a relative path, and the kernel runs' directories, made absolute against ``cwd``
+        (workers run elsewhere)."""
+        out = absolute_runs(args, cwd)
         model = str(out.get("model", "smollm2"))
         if model not in MODELS:
             out["model"] = os.path.join(cwd, model)
         return out
+
+    @classmethod
+    def check_fills(cls, slot: str, task: str) -> None:
+        """A linear kernel of a precision the decoder runs, an attention or an RMSNorm kernel."""
+        if slot not in KERNEL_SLOTS:
+            raise ValueError(f"unknown slot {slot!r} (a chat engine's slots: {', '.join(KERNEL_SLOTS)})")
+        if slot == "linear":
+            precision_of(task)
+            return
+        declared = getattr(load_task_class(task), "slot", None)
+        if declared is None or declared.name != slot:
+            raise ValueError(f"{task!r} kernels cannot fill a chat engine's {slot!r} slot")
 
     @property
     def cores(self) -> int:
@@ -140,6 +163,7 @@ class ChatEngineTask(Task):
             "step_tokens": Pow2Param(type="pow2", low=16, high=1 << (a.max_step_tokens.bit_length() - 1)),
             "max_running": Pow2Param(type="pow2", low=1, high=running),
             "threads": IntParam(type="int", low=1, high=self.cores),
+            **self.kernel_genes(),
         }
         return ParamSpace(params, [])
 
@@ -149,16 +173,46 @@ class ChatEngineTask(Task):
         floor)."""
         running = self.space().params["max_running"].high  # type: ignore[attr-defined]
         base = ChatEngine(threads=self.cores, max_running=min(64, running)).model_dump()
+        base.pop("kernels")
         if base["linear"] not in self.linear_choices():  # the task's precisions leave the default out
             base["linear"] = "numpy"
+        choices = self.kernel_choices()
+        base.update({f"kernel_{slot}": "numpy" for slot in choices})
         seeds = [base]
         if "q8" in self.linear_choices():
             seeds.append({**base, "linear": "q8", "kv_dtype": "f16", "step_tokens": 32})
+        if any(choices.values()):
+            seeds.append(self.fit_kernels({**base, **{f"kernel_{s}": ids[0] for s, ids in choices.items() if ids}}))
         return [Genome(params=p) for p in seeds]
+
+    def fit_kernels(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` with the rest of the engine set to what its chosen kernels run: C slots and the KV cache
+        type an attention kernel was evolved for, and a linear kernel's precision for the GEMMs."""
+        out = dict(params)
+        for slot in KERNEL_SLOTS:
+            cid = out.get(f"kernel_{slot}", "numpy")
+            if cid == "numpy":
+                continue
+            ks = self.kernel_source(slot, cid)
+            if slot == "linear":
+                precision = precision_of(ks.task)
+                if precision in self.linear_choices() and precision not in _precisions(out.get("linear", "numpy")):
+                    out["linear"] = precision
+            else:
+                out["slots"] = "c"
+                if slot == "attention":
+                    out["kv_dtype"] = ks.args.get("cache", "fp32")
+        return out
 
     def engine(self, genome: Genome) -> ChatEngine:
         """The engine a genome describes (raises ValueError for one outside the engine's options)."""
-        return ChatEngine(**genome.params)
+        p = dict(genome.params)
+        kernels = {k.removeprefix("kernel_"): p.pop(k) for k in list(p) if k.startswith("kernel_")}
+        return ChatEngine(**p, kernels={slot: cid for slot, cid in kernels.items() if cid != "numpy"})
+
+    def kernel_sources(self, engine: ChatEngine) -> dict[str, KernelSource]:
+        """The evolved kernel of each slot ``engine`` names (raises :class:`runtime.followed_runs.RunNotFound`)."""
+        return {slot: self.kernel_source(slot, cid) for slot, cid in engine.kernels.items()}
 
     def render(self, genome: Genome) -> str:
         """The engine as YAML (what ``evo archive show`` and ``export`` print; ``POST /admin/engine`` takes it as
@@ -178,6 +232,14 @@ class ChatEngineTask(Task):
         }  # fmt: skip
 
     # --- what a worker loads --------------------------------------------------------------------
+
+    def prime(self) -> None:
+        """Loads the model, the held-out texts and the offered kernels' sources (a worker calls this before it
+        drops its privileges)."""
+        self.model()
+        self.corpus_ids()
+        self.check_texts()
+        self.kernel_choices()
 
     def model_path(self) -> Path:
         """The model's file (found once: a worker may not see it after it drops its privileges)."""

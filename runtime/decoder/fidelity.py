@@ -17,7 +17,8 @@ import numpy as np
 from runtime.decoder.model import DecoderModel
 from runtime.decoder.ops import DecoderOps
 
-__all__ = ["DEFAULT_FLOOR", "Fidelity", "Floor", "LogitsFn", "divergence", "fidelity", "forced_logits"]
+__all__ = ["DEFAULT_FLOOR", "Fidelity", "Floor", "LogitsFn", "divergence", "fidelity", "forced_logits",
+           "served_divergence"]
 
 LogitsFn = Callable[[Sequence[int]], np.ndarray]
 """An engine as the gate sees it: token ids ``[T]`` in, the logits after each prefix ``[T, vocab]`` out."""
@@ -78,6 +79,48 @@ def divergence(reference: np.ndarray, candidate: np.ndarray) -> tuple[np.ndarray
     log_q -= np.log(np.exp(log_q).sum(axis=-1, keepdims=True))
     kl = np.einsum("ij,ij->i", np.exp(log_p), log_p - log_q)
     return np.maximum(kl, 0.0), a.argmax(axis=-1) == b.argmax(axis=-1)
+
+
+def served_divergence(
+    reference: np.ndarray, served: Sequence[int], reported: Sequence[Sequence[tuple[int, float]]],
+    never: Iterable[int] = (),
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """A server's greedy answer against the reference's logits ``[T, vocab]`` at the same positions (the answer
+    teacher-forced through the reference): per served token, ``KL(p || q)`` (nats) over the tokens the server
+    ``reported`` with their log-probabilities, and one bucket for every other token; and whether the served
+    token is the reference's top-1. Merging tokens into one bucket never raises a KL, so this is a lower bound of
+    the full divergence, and exact as the reported tokens hold all of ``q``. Also returns how many positions
+    contradict their own report (the served token is not the likeliest the server reported there: greedy
+    answers must be). Tokens in ``never`` (the end tokens of a request that ignores them) were never candidates
+    for the answer: they are left out of both comparisons, not of the KL."""
+    ruled_out = set(never)
+    a = np.asarray(reference, np.float64)
+    log_p = a - a.max(axis=-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(axis=-1, keepdims=True))
+    kl, contradictions = np.zeros(len(served)), 0
+    for t, (token, best) in enumerate(zip(served, reported, strict=True)):
+        if not best:
+            contradictions += 1
+            continue
+        ids = np.array([i for i, _ in best], np.int64)
+        lq = np.array([lp for _, lp in best], np.float64)
+        if len(set(ids.tolist())) != len(ids) or (lq > 1e-6).any():
+            contradictions += 1
+            continue
+        own = dict(best).get(int(token))
+        eligible = [lp for i, lp in best if i not in ruled_out]
+        if own is None or not eligible or own < max(eligible) - 1e-5:
+            contradictions += 1
+        p_in = np.exp(log_p[t, ids])
+        q_in = np.exp(np.minimum(lq, 0.0))
+        p_rest, q_rest = max(1.0 - p_in.sum(), 0.0), max(1.0 - q_in.sum(), 0.0)
+        terms = p_in * (log_p[t, ids] - np.log(np.maximum(q_in, 1e-300)))
+        rest = p_rest * (np.log(p_rest) - np.log(max(q_rest, 1e-12))) if p_rest > 1e-12 else 0.0
+        kl[t] = max(float(terms.sum() + rest), 0.0)
+    eligible = a.copy()
+    eligible[:, sorted(ruled_out)] = -np.inf
+    agree = eligible.argmax(axis=-1) == np.asarray(served)
+    return kl, agree, contradictions
 
 
 def fidelity(

@@ -1,21 +1,27 @@
 """Chat engines in host processes: each serves the chat app (``evo serve --gguf``'s) on a loopback port, and is
 measured from outside, over HTTP, on the caller's clock.
 
-A worker never builds a chat engine itself. It forks a template once (:class:`ChatTemplate`), when the model
-is loaded and before anything else is (no reference logits, no answers): the template holds the model and
-waits. For each engine it binds a loopback port and forks a host, which builds the engine (compiling its kernels
-into the worker's cache), serves on that port until it is killed, and prints to a log file of its own. Hosts
-stay in the worker's process group and die with the template, which dies with the worker.
+A worker never loads a chat engine's kernels itself. It compiles them into its cache
+(:func:`runtime.decoder.engine.compile_engine`) and forks a template once (:class:`ChatHostTemplate`), when the
+model is loaded and before anything else is (no reference logits, no answers): the template holds the model and
+waits. For each engine it binds a loopback port and forks a host, which serves on that port until it is killed
+and prints to a log file of its own. Hosts stay in the worker's process group and die with the template, which
+dies with the worker.
 
-The host is not under the system-call filter of kernel hosts: it serves HTTP, so it needs its socket. Every
-figure is taken by the caller's clients, and what a host generates is checked against the fp32 engine computed
-in the caller.
+A host keeps no descriptor of its parent but its listener, its log and the compile cache; is not dumpable and
+dies with its parent; reads only the system's and the interpreter's files and the cache (Landlock); and loads its
+kernels, each only as the build the worker compiled, under the ``chat`` system-call filter
+(:func:`runtime.sandbox.filters.compiled_filters`): threads, its event loop's socket pair, and ``listen`` and
+``accept`` on the listener it was handed; no new socket, no connection out, no file written, no process, no
+signal. Once every kernel has run once, no executable mapping at all. Every figure is taken by the caller's
+clients, and what a host generates is checked against the fp32 engine computed in the caller.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import http.client
 import json
 import os
@@ -24,15 +30,23 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.decoder.engine import ChatEngine
 from runtime.decoder.model import DecoderModel
-from runtime.sandbox.limits import lock_file_size
+from runtime.sandbox.filters import compiled_filters, load_filter
+from runtime.sandbox.landlock import confine_to_code
+from runtime.sandbox.limits import lock_file_size, make_undumpable
+from runtime.settings import CompilerSettings
+from runtime.toolchain.cc import compiler_version, hold_libgomp
 
-__all__ = ["ChatHost", "ChatHostFailed", "ChatTemplate", "prime_chat_host"]
+if TYPE_CHECKING:
+    from runtime.engine.kernel_runs import KernelSource
+
+__all__ = ["ChatHost", "ChatHostFailed", "ChatHostTemplate", "prime_chat_host"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -82,7 +96,7 @@ class ChatHost:
             os.kill(self.pid, signal.SIGKILL)
 
 
-class ChatTemplate:
+class ChatHostTemplate:
     """The process hosts of ``model`` are forked from (forked from the caller here)."""
 
     def __init__(self, model: DecoderModel, model_id: str, *, cache_dir: str, log_dir: str) -> None:
@@ -109,9 +123,14 @@ class ChatTemplate:
         except ChildProcessError:
             return False
 
-    def spawn(self, engine: ChatEngine, *, kv_budget_bytes: int, max_waiting: int = 1024) -> ChatHost:
-        """A host serving ``engine``, not yet ready (see :meth:`ChatHost.wait_ready`)."""
-        order = {"engine": engine.model_dump(), "kv_budget_bytes": kv_budget_bytes, "max_waiting": max_waiting}
+    def spawn(self, engine: ChatEngine, built: Mapping[str, KernelSource], *, compiler: CompilerSettings,
+              kv_budget_bytes: int, max_waiting: int = 1024) -> ChatHost:  # fmt: skip
+        """A host serving ``engine`` on ``built`` (:func:`runtime.decoder.engine.compile_engine`'s answer: every
+        library compiled into the cache already, each loaded only as that build), not yet ready (see
+        :meth:`ChatHost.wait_ready`)."""
+        order = {"engine": engine.model_dump(), "built": {part: dataclasses.asdict(ks) for part, ks in built.items()},
+                 "compiler": compiler.model_dump(mode="json"), "kv_budget_bytes": kv_budget_bytes,
+                 "max_waiting": max_waiting}  # fmt: skip
         self._sock.sendall((json.dumps(order) + "\n").encode())
         line = self._lines.readline()
         if not line:
@@ -131,9 +150,12 @@ class ChatTemplate:
 def _template(sock: socket.socket, model: DecoderModel, model_id: str, cache_dir: str, log_dir: str) -> None:
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # hosts are reaped as they die
+    filters = compiled_filters()
+    hold_libgomp()  # its hosts' kernels may use OpenMP, and a host may not look for the library
     lines = sock.makefile("r")
     while line := lines.readline():
         order: dict[str, Any] = json.loads(line)
+        compiler_version(CompilerSettings.model_validate(order["compiler"]).cc)  # the cache key; hosts may not run it
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("127.0.0.1", 0))
         listener.listen(256)
@@ -145,7 +167,7 @@ def _template(sock: socket.socket, model: DecoderModel, model_id: str, cache_dir
             try:
                 lock_file_size()
                 sock.close()
-                _host(listener, model, model_id, order, cache_dir, log)
+                _host(listener, model, model_id, order, cache_dir, log, filters)
                 code = 0
             except BaseException:  # noqa: BLE001 - said in its log, then the process ends
                 traceback.print_exc()
@@ -156,7 +178,7 @@ def _template(sock: socket.socket, model: DecoderModel, model_id: str, cache_dir
 
 
 def _host(listener: socket.socket, model: DecoderModel, model_id: str, order: dict[str, Any], cache_dir: str,
-          log: str) -> None:  # fmt: skip
+          log: str, filters: dict[str, bytes] | None) -> None:  # fmt: skip
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     _, hard = resource.getrlimit(resource.RLIMIT_CPU)  # it serves until its caller kills it, as a server does
@@ -165,14 +187,33 @@ def _host(listener: socket.socket, model: DecoderModel, model_id: str, order: di
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
+    prefix = "/proc/self/fd/"
+    cache_fd = int(cache_dir[len(prefix) :].split("/")[0]) if cache_dir.startswith(prefix) else None
+    for fd in sorted(int(f) for f in os.listdir("/proc/self/fd")):  # nothing of the worker's: its lock, its pipes
+        if fd not in (0, 1, 2, listener.fileno(), cache_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    make_undumpable()
     import uvicorn
 
     from runtime.decoder import SchedulerConfig
+    from runtime.decoder.engine import build, engine_threads
+    from runtime.engine.kernel_runs import KernelSource
     from serving._chat_app import create_chat_app
 
     engine = ChatEngine(**order["engine"])
+    built = {part: KernelSource(**{**ks, "flags": tuple(ks["flags"])}) for part, ks in order["built"].items()}
+    compiler = CompilerSettings.model_validate(order["compiler"])
+    confine_to_code(cache_dir)
+    if filters is not None:
+        load_filter(filters["chat"])
+    engine_threads(engine)  # before any kernel loads: OpenMP reads its team's size once
+    decoder = build(model, engine, built=built, cache_dir=cache_dir, compiler=compiler)
+    decoder.generate("Hello", max_tokens=2, temperature=0.0)  # every kernel has run once: lazy binding done
+    if filters is not None:
+        load_filter(filters["no_exec"])
     budgets = SchedulerConfig(kv_budget_bytes=order["kv_budget_bytes"], max_waiting=order["max_waiting"])
-    app = create_chat_app(model, engine, model_ids=(model_id,), budgets=budgets, cache_dir=cache_dir)
+    app = create_chat_app(model, engine, decoder=decoder, model_ids=(model_id,), budgets=budgets)
     config = uvicorn.Config(app, fd=listener.fileno(), log_level="warning", access_log=False, lifespan="on")
     uvicorn.Server(config).run()
 

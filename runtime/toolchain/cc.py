@@ -36,6 +36,7 @@ __all__ = [
     "publish",
     "compile_source",
     "compiler_version",
+    "hold_libgomp",
     "load_kernel",
 ]
 
@@ -222,10 +223,11 @@ def publish(built: str, final: str, cache_dir: str) -> None:
 _LIBGOMP: ctypes.CDLL | None = None
 
 
-def _hold_libgomp() -> None:
+def hold_libgomp() -> None:
     """Keeps libgomp loaded for the life of the process: OpenMP's pooled threads outlive every parallel
     region, and if the last kernel using OpenMP took libgomp with it when unloaded, the process would
-    crash at exit running unmapped code."""
+    crash at exit running unmapped code. (Finding it may run the compiler: a process that will not be allowed to
+    calls this first.)"""
     global _LIBGOMP
     if _LIBGOMP is None:
         _LIBGOMP = ctypes.CDLL(ctypes.util.find_library("gomp") or "libgomp.so.1", mode=ctypes.RTLD_GLOBAL)
@@ -239,7 +241,7 @@ class CKernel:
         with open(path, "rb") as f:
             self.openmp = b"libgomp" in f.read()  # linked against GNU OpenMP
         if self.openmp:
-            _hold_libgomp()
+            hold_libgomp()
         self._lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
         try:
             self._fn = getattr(self._lib, name)

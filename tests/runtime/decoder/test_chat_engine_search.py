@@ -66,8 +66,18 @@ def _backend_and_task(model: Path, tmp_path: Path, **args: object):
 
     task = ChatEngineTask(_args(model, **args))
     backend = ChatEngineBackend()
+    (tmp_path / "cache").mkdir(exist_ok=True)
     ctx = SimpleNamespace(cache_dir=str(tmp_path / "cache"), work_dir=str(tmp_path))
     return backend, task, ctx, ChatEngineProgram
+
+
+def _serve(backend, task, ctx, engine, kernels=None):
+    """A host serving ``engine`` (its libraries compiled here first, as a worker does)."""
+    from runtime.decoder.engine import compile_engine
+    from runtime.settings import CompilerSettings
+
+    built = compile_engine(engine, kernels, cache_dir=ctx.cache_dir)
+    return backend.serve(task, engine, built, SimpleNamespace(compiler=CompilerSettings()), ctx)
 
 
 def test_an_engine_under_the_fidelity_floor_is_wrong(tiny_chat: Path, tmp_path: Path) -> None:
@@ -94,19 +104,33 @@ def test_an_engine_under_the_fidelity_floor_is_wrong(tiny_chat: Path, tmp_path: 
 
 class _Forger(BaseHTTPRequestHandler):
     """A server that streams a chat answer it did not compute: the same words every time (``text``, as the tiny
-    model's tokens ``ids``), listing the tokens ``listed`` and claiming the usage ``claimed``."""
+    model's tokens ``ids``), listing the tokens ``listed``, each reported as the likeliest but for those in
+    ``demoted``, and claiming the usage ``claimed``; or, where ``answer`` is set, its answer to the prompt, each
+    token reported with probability 1."""
 
     text = "the the the the the the"
     ids: list[int] = []
     listed: list[int] = []
+    demoted: set[int] = set()
     claimed = 0
+    answer = None
 
     def do_POST(self) -> None:  # noqa: N802 - the handler's protocol
-        self.rfile.read(int(self.headers["content-length"]))
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if self.answer is not None:
+            type(self).text, type(self).listed = self.answer(body["messages"][0]["content"], body["max_tokens"])
+            type(self).claimed = len(self.listed)
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.end_headers()
-        entries = [{"id": i, "token": "", "logprob": -1.0, "bytes": [], "top_logprobs": []} for i in self.listed]
+
+        def rivals(i: int) -> list[dict[str, object]]:
+            if self.answer is not None:
+                return [{"id": i, "logprob": 0.0}]
+            return [{"id": i, "logprob": -1.0 if i in self.demoted else -0.5}, {"id": 1, "logprob": -0.9}]
+
+        entries = [{"id": i, "token": "", "logprob": -1.0, "bytes": [], "top_logprobs": rivals(i)}
+                   for i in self.listed]  # fmt: skip
         event = {"choices": [{"index": 0, "delta": {"content": self.text}, "logprobs": {"content": entries}}]}
         self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
         usage = {"prompt_tokens": 9, "completion_tokens": self.claimed, "total_tokens": 9 + self.claimed}
@@ -128,8 +152,10 @@ def forger() -> Iterator[tuple[int, type[_Forger]]]:
 
 def test_a_host_that_serves_other_tokens_or_miscounts_them_is_wrong(tiny_chat: Path, tmp_path: Path,
                                                                        forger) -> None:  # fmt: skip
-    """Answers checked after the load: canned words are not the fp32 engine's top-1 tokens, and a usage that
-    claims more tokens than were sent is caught; both are wrong, whatever figures the load gave."""
+    """Answers checked after the load: canned words are not the fp32 engine's top-1 tokens; a usage that claims more
+    tokens than were sent, a served token its own report ranks below another, and the fp32 engine's own tokens
+    reported as certain (a distribution it does not have: the KL over the reported tokens) are caught; all are
+    wrong, whatever figures the load gave."""
     from runtime.backends.base import Failure
     from runtime.backends.chat_engine import Measured
     from runtime.decoder.chat_load import run_load
@@ -140,13 +166,30 @@ def test_a_host_that_serves_other_tokens_or_miscounts_them_is_wrong(tiny_chat: P
     program = Program(task, None, None, None, ctx, backend)
     handler.ids = task.model().tokenizer.encode(handler.text, add_bos=False)
     n = len(handler.ids)
-    for listed, claimed, says in ((handler.ids, n, "top-1"), (handler.ids, 3 * n, "disagree"),
-                                  (handler.ids[::-1] + [0], n + 1, "disagree")):  # fmt: skip
-        handler.listed, handler.claimed = listed, claimed
-        load = run_load(port, task.prompts(1)[:4], 2, 12, ids=True)
+    for listed, claimed, demoted, says in ((handler.ids, n, set(), "top-1"), (handler.ids, 3 * n, set(), "disagree"),
+                                           (handler.ids[::-1] + [0], n + 1, set(), "disagree"),
+                                           (handler.ids, n, {handler.ids[2]}, "likeliest")):  # fmt: skip
+        handler.listed, handler.claimed, handler.demoted = listed, claimed, demoted
+        load = run_load(port, task.prompts(1)[:4], 2, 12, ids=True, top=20)
         with pytest.raises(Failure) as caught:
             program._verify(Measured(load, 1.0))
         assert caught.value.status == Status.WRONG and says in str(caught.value), str(caught.value)
+
+    from runtime.decoder import Decoder
+
+    fp32 = Decoder(task.model())
+
+    def greedy(prompt: str, max_tokens: int) -> tuple[str, list[int]]:
+        done = fp32.generate([{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0,
+                             ignore_eos=True)  # fmt: skip
+        return done.text, done.token_ids
+
+    handler.answer = staticmethod(greedy)
+    load = run_load(port, task.prompts(1)[:4], 2, 12, ids=True, top=20)
+    with pytest.raises(Failure) as caught:
+        program._verify(Measured(load, 1.0))
+    assert caught.value.status == Status.WRONG and "mean KL" in str(caught.value), str(caught.value)
+    assert caught.value.metrics["verified_top1"] == 1.0
 
 
 def test_a_host_killed_under_load_is_a_crash_and_the_next_one_serves(tiny_chat: Path, tmp_path: Path) -> None:
@@ -162,15 +205,14 @@ def test_a_host_killed_under_load_is_a_crash_and_the_next_one_serves(tiny_chat: 
     from runtime.result import Status
 
     backend, task, ctx, _ = _backend_and_task(tiny_chat, tmp_path, streams=2, requests=8, max_tokens=200)
-    (tmp_path / "cache").mkdir()
-    host = backend.serve(task, ChatEngine(slots="numpy", threads=1), ctx)
+    host = _serve(backend, task, ctx, ChatEngine(slots="numpy", threads=1))
     killer = threading.Timer(0.5, lambda: os.kill(host.pid, signal.SIGKILL))
     killer.start()
     try:
         with pytest.raises(Failure) as caught:
             measure(host, task, set(os.sched_getaffinity(0)))
         assert caught.value.status == Status.CRASH and "died" in str(caught.value), str(caught.value)
-        again = backend.serve(task, ChatEngine(slots="numpy", threads=1), ctx)
+        again = _serve(backend, task, ctx, ChatEngine(slots="numpy", threads=1))
         t0 = time.perf_counter()
         assert measure(again, task, set(os.sched_getaffinity(0))).load.tokens == 2 * 8 * 200
         assert time.perf_counter() - t0 < 120
@@ -179,3 +221,99 @@ def test_a_host_killed_under_load_is_a_crash_and_the_next_one_serves(tiny_chat: 
         killer.cancel()
         for template in backend._templates.values():
             template.close()
+
+
+_PROBE = r"""
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/socket.h>
+#include <unistd.h>
+__attribute__((constructor)) static void probe(void) {
+    int s = socket(AF_INET, SOCK_STREAM, 0), s_err = errno;
+    int f = open("%s", O_WRONLY | O_CREAT, 0600), f_err = errno;
+    pid_t p = fork(), p_err = errno;
+    if (p == 0) _exit(0);
+    fprintf(stderr, "probe socket %%d %%d open %%d %%d fork %%d %%d\n", s, s_err, f, f_err, (int)p, p_err);
+    fflush(stderr);
+}
+"""
+
+
+@pytest.mark.skipif(not __import__("runtime.sandbox.filters").sandbox.filters.filter_available(),
+                    reason="libseccomp is not installed")  # fmt: skip
+def test_an_evolved_kernel_in_a_chat_host_cannot_open_a_socket_write_a_file_or_start_a_process(
+    tiny_chat: Path, tmp_path: Path
+) -> None:
+    """An attention kernel whose library, once loaded, tries to open a socket, create a file and fork: in its chat
+    host each call fails with EPERM, nothing is written, and the host still serves (a chat answer runs on it)."""
+    import dataclasses
+    import errno
+
+    from runtime.decoder.chat_load import chat
+    from runtime.decoder.engine import ChatEngine
+    from runtime.decoder.kernels import seed_source
+    from runtime.tasks.attention_decode import AttentionDecode
+
+    backend, task, ctx, _ = _backend_and_task(tiny_chat, tmp_path)
+    written = tmp_path / "written-by-a-kernel"
+    seed = seed_source(AttentionDecode({"threads": 1}))
+    hostile = dataclasses.replace(seed, id="hostile0", source=seed.source + _PROBE % written)
+    engine = ChatEngine(linear="numpy", threads=1, kernels={"attention": "hostile0"})
+    host = _serve(backend, task, ctx, engine, {"attention": hostile})
+    try:
+        assert chat(host.port, "Hello there", 4).completion_tokens == 4
+        probe = next(line for line in host.tail(4000).splitlines() if line.startswith("probe "))
+        _, _, s, s_err, _, f, f_err, _, p, p_err = probe.split()
+        assert (int(s), int(f), int(p)) == (-1, -1, -1), probe
+        assert int(s_err) == int(f_err) == int(p_err) == errno.EPERM, probe
+        assert not written.exists()
+    finally:
+        backend.release(host)
+        for template in backend._templates.values():
+            template.close()
+
+
+def test_a_chat_engine_search_takes_a_kernel_runs_attention_elites(tiny_chat: Path, tmp_path: Path) -> None:
+    """An attention_decode run, then a chat_engine search offered its elite (`kernels: {attention: ...}`): the
+    engine with the evolved kernel is served and measured, its check read from its host's answers (never run in
+    the worker), and an engine naming a kernel of the wrong KV cache type is invalid."""
+    kernels = {"task": {"name": "attention_decode", "args": {"batch": 2, "heads": 4, "kv_heads": 2, "head_dim": 16,
+                                                               "length": 48, "threads": 1}},
+               "search": {"workers": 1, "initial_random": 1}, "budget": {"max_evals": 3},
+               "archive": {"kind": "grid", "descriptors": ["key_block"], "bins": [6]},
+               "memory": {"enabled": False}}  # fmt: skip
+    (tmp_path / "kernels.yaml").write_text(yaml.safe_dump(kernels))
+    run = subprocess.run([sys.executable, "-m", "evo", "run", str(tmp_path / "kernels.yaml"), "--run-dir",
+                          str(tmp_path / "attention")], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    config = {"task": {"name": "chat_engine", "args": _args(tiny_chat, precisions=["fp32"],
+                                                            kernels={"attention": {"run_dir": "attention", "top": 1}})},
+              "search": {"workers": 1, "initial_random": 0, "confirm": {"repeats": 0}}, "budget": {"max_evals": 2},
+              "archive": {"descriptors": ["itl_p99_ms", "memory_mb"], "bins": [3, 3],
+                          "ranges": [[0, 1000], [0, 4096]]},
+              "memory": {"enabled": False}}  # fmt: skip
+    (tmp_path / "chat.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "evo", "run", "chat.yaml", "--run-dir", "chat"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = subprocess.run([sys.executable, "-m", "evo", "archive", "best", str(tmp_path / "chat"), "--json",
+                          "--top", "5"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    found = {c["params"]["kernel_attention"]: c for c in json.loads(out.stdout)}
+    assert set(found) == {"numpy", next(k for k in found if k != "numpy")}, found
+    evolved = next(c for k, c in found.items() if k != "numpy")
+    m = evolved["metrics"]
+    assert evolved["status"] == "ok" and m["tokens_per_s"] > 0 and "top1" not in m, m
+    assert m["check_answers"] == 2 and m["check_top1"] >= 0.85 and m["check_kl"] < 0.01, m
+    assert m["verified_answers"] == 2 and m["verified_kl"] < 0.01, m
+
+    from genome import Genome
+    from runtime.decoder.engine import EngineUnfit, libraries
+    from runtime.decoder.engine_task import ChatEngineTask
+
+    args = json.loads(json.dumps(yaml.safe_load((tmp_path / "chat" / "config.yaml").read_text())["task"]["args"]))
+    task = ChatEngineTask(args)
+    params = {**task.seeds()[-1].params, "kv_dtype": "f16"}
+    with pytest.raises(EngineUnfit, match="evolved for an fp32 KV cache"):
+        engine = task.engine(Genome(params=params))
+        libraries(engine, task.kernel_sources(engine))
