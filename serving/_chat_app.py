@@ -93,12 +93,13 @@ class ChatState:
 def create_chat_app(model: DecoderModel, engine: ChatEngine | None = None, *, model_ids: tuple[str, ...],
                     budgets: SchedulerConfig | None = None, api_key: str | None = None,
                     limits: Limits | None = None, cache_dir: str | None = None,
-                    decoder: Decoder | None = None) -> ASGIApp:  # fmt: skip
+                    decoder: Decoder | None = None, swaps: bool = True) -> ASGIApp:  # fmt: skip
     """The app serving ``model`` (loaded already) as ``model_ids[0]`` on ``engine`` (built here; raises
     :class:`EngineUnfit` where this machine cannot run it); its engine thread starts here, and finishes every
     request it holds when the app shuts down. ``budgets``: the KV cache and the waiting queue, kept across
     swaps (``POST /admin/engine``). ``cache_dir``: where the kernels compile (default ``~/.cache/evoforge/kernels``).
-    ``decoder``: ``engine`` built already (by a sandboxed host, which loads its kernels before it serves)."""
+    ``decoder``: ``engine`` built already (by a sandboxed host, which loads its kernels before it serves);
+    ``swaps``: whether ``POST /admin/engine`` may build another engine (a sandboxed host may not compile)."""
     engine = engine or ChatEngine()
     limits = limits or Limits()
     if decoder is None:
@@ -133,7 +134,11 @@ def create_chat_app(model: DecoderModel, engine: ChatEngine | None = None, *, mo
     async def swap_engine(body: ChatEngine) -> dict[str, Any]:
         """Builds and warms the engine ``body`` describes beside the one serving, then serves new requests on it.
         Requests in flight, streamed or not, finish on the old engine, which then stops; none fails. 400: a
-        precision this CPU has no kernel for, or more threads than cores; 409: another swap is under way."""
+        precision this CPU has no kernel for, more threads than cores, or evolved kernels not offered here; 409:
+        another swap is under way, or this server runs evolved kernels in a sandbox (it may not swap)."""
+        if not swaps:
+            raise APIError(409, "this server runs evolved kernels in a sandbox, which may not build another engine: "
+                           "restart evo serve with the engine to serve", code="swaps_off")  # fmt: skip
         if swap_lock.locked():
             raise APIError(409, "another engine swap is in progress", code="switch_in_progress")
         async with swap_lock:

@@ -9,10 +9,12 @@ then exits 130, like every evo command.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 
     from runtime.decoder import SchedulerConfig
     from runtime.decoder.engine import ChatEngine
+    from runtime.engine.kernel_runs import KernelSource
 
 __all__ = ["serve", "serve_gguf"]
 
@@ -74,13 +77,13 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
         if run.task_name == "chat_engine":
             if follow is not None:
                 raise ServeError(f"{follow} promoted a chat engine run: --follow serves encoder engines only")
-            model, engine, note = _chat_elite(run, elite)
+            model, engine, kernels, note = _chat_elite(run, elite)
         else:
             served = ServedRun.read(run, elite)
     if run.task_name == "chat_engine":
         log.info("serving %s", note)
-        return serve_gguf(model, engine=engine, host=host, port=port, api_key_env=api_key_env, limits=limits,
-                          drain_timeout=drain_timeout)  # fmt: skip
+        return serve_gguf(model, engine=engine, kernels=kernels, host=host, port=port, api_key_env=api_key_env,
+                          limits=limits, drain_timeout=drain_timeout)  # fmt: skip
     api_key = _api_key(api_key_env)
     _check_port(host, port)
     _log_start(served.note, host, port, api_key)
@@ -89,35 +92,46 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
     return _run(app, host, port, drain_timeout)
 
 
-def _chat_elite(run: Any, elite: str) -> tuple[Path, ChatEngine, str]:
-    """The model of a ``chat_engine`` run and its engine ``elite`` (``best``: the fittest ok one; ``default``:
-    evo serve --gguf's defaults; or an id or prefix), and what it is."""
+def _chat_elite(run: Any, elite: str) -> tuple[Path, ChatEngine, dict[str, KernelSource], str]:
+    """The model of a ``chat_engine`` run, its engine ``elite`` (``best``: the fittest ok one; ``default``: evo
+    serve --gguf's defaults; or an id or prefix) with the evolved kernels it names, and what it is."""
+    from archive import Run
     from runtime.decoder.engine import ChatEngine
+    from runtime.decoder.engine_task import ChatEngineTask
     from runtime.decoder.models import ModelNotFound, model_file
+    from runtime.followed_runs import RunNotFound
 
     try:
         model = model_file(str(run.task_args.get("model", "smollm2")))
     except ModelNotFound as exc:
         raise ServeError(f"the chat_engine run's model: {exc}") from None
     if elite == "default":
-        return model, ChatEngine(), "the default chat engine"
+        return model, ChatEngine(), {}, "the default chat engine"
     if elite == "best":
         best = run.store.best(1)
         if not best:
-            return model, ChatEngine(), f"the default chat engine: {run.path} has no ok candidate yet"
+            return model, ChatEngine(), {}, f"the default chat engine: {run.path} has no ok candidate yet"
         cand, what = best[0], f"chat engine {best[0].id[:12]} (best of {run.path}, {best[0].fitness:.1f} tokens/s)"
     else:
         cand = ok_candidate(run, elite)
         what = f"chat engine {cand.id[:12]} of {run.path}"
-    return model, ChatEngine(**cand.genome.params), what
+    task = ChatEngineTask(ChatEngineTask.read_runs(ChatEngineTask.resolve_args(run.task_args, str(run.path)),
+                                                   Run.open))  # fmt: skip
+    try:
+        engine = task.engine(cand.genome)
+        return model, engine, task.kernel_sources(engine), what
+    except (ValueError, RunNotFound) as exc:
+        raise ServeError(f"{what}: {exc}") from None
 
 
-def serve_gguf(path: str | Path, *, engine: ChatEngine | None = None, host: str = "127.0.0.1", port: int = 8000,
-               api_key_env: str | None = None, limits: Limits | None = None, budgets: SchedulerConfig | None = None,
-               drain_timeout: float = 30.0) -> int:  # fmt: skip
+def serve_gguf(path: str | Path, *, engine: ChatEngine | None = None, kernels: Mapping[str, KernelSource] | None = None,
+               host: str = "127.0.0.1", port: int = 8000, api_key_env: str | None = None, limits: Limits | None = None,
+               budgets: SchedulerConfig | None = None, drain_timeout: float = 30.0) -> int:  # fmt: skip
     """Serves the chat model of the GGUF file ``path`` on the decoder engine ``engine`` (default
-    :class:`runtime.decoder.engine.ChatEngine`'s: numpy GEMMs, C attention and RMSNorm, fp32 KV cache) until a
-    signal; returns the exit code. ``budgets``: the KV cache and waiting queue.
+    :class:`runtime.decoder.engine.ChatEngine`'s) until a signal; returns the exit code. ``budgets``: the KV cache
+    and waiting queue. An engine with evolved kernels (``kernels``: the sources of those ``engine.kernels`` names)
+    serves from a sandboxed process of its own (:func:`runtime.sandbox.chat_host.serve_confined`), which this one
+    waits for.
 
     Raises :class:`ServeError` for what the user can fix (a file the decoder cannot load, a precision this CPU
     has no kernel for, missing key, busy port). The model loads before the port is taken.
@@ -142,12 +156,81 @@ def serve_gguf(path: str | Path, *, engine: ChatEngine | None = None, host: str 
         model = load_decoder(path)
     except (GGUFLoadError, ChatTemplateError) as exc:
         raise ServeError(f"--gguf: {exc}") from None
+    cfg = model.config
+    what = f"{path.name} ({cfg.architecture}, {cfg.layers} layers, context {cfg.context}; {engine.describe()})"
+    if engine.kernels:
+        return _serve_confined(model, (path.stem, path.name), engine, kernels or {}, what, host=host, port=port,
+                               api_key=api_key, limits=limits, budgets=budgets, drain_timeout=drain_timeout)
     app = create_chat_app(model, engine, model_ids=(path.stem, path.name), budgets=budgets, api_key=api_key,
                           limits=limits)  # fmt: skip
-    cfg = model.config
-    _log_start(f"{path.name} ({cfg.architecture}, {cfg.layers} layers, context {cfg.context}; {engine.describe()})",
-               host, port, api_key)  # fmt: skip
+    _log_start(what, host, port, api_key)
     return _run(app, host, port, drain_timeout)
+
+
+def _serve_confined(model: Any, model_ids: tuple[str, ...], engine: ChatEngine, kernels: Mapping[str, KernelSource],
+                    what: str, *, host: str, port: int, api_key: str | None, limits: Limits | None,
+                    budgets: SchedulerConfig | None, drain_timeout: float) -> int:  # fmt: skip
+    """``engine`` (with evolved kernels) served by a child process confined as the worker's chat hosts are; its
+    kernels compile here first. SIGTERM (and Ctrl-C) reach it, and it drains before it exits."""
+    import ctypes
+    import traceback
+
+    from runtime.decoder import SchedulerConfig
+    from runtime.decoder.engine import EngineUnfit, compile_engine
+    from runtime.decoder.kernels import DEFAULT_CACHE
+    from runtime.sandbox.chat_host import serve_confined
+    from runtime.sandbox.filters import compiled_filters
+    from runtime.settings import CompilerSettings
+    from runtime.toolchain.cc import CompileError, hold_libgomp
+
+    try:
+        built = compile_engine(engine, kernels, cache_dir=DEFAULT_CACHE)
+    except EngineUnfit as exc:
+        raise ServeError(str(exc)) from None
+    except CompileError as exc:
+        raise ServeError(f"the engine's kernels do not compile: {exc.stderr[:500]}") from None
+    filters = compiled_filters()
+    hold_libgomp()
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    listener = socket.socket(infos[0][0], socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(infos[0][4])
+    except OSError as exc:
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror} (choose another --port)") from None
+    listener.listen(2048)
+    _log_start(f"{what}, its evolved kernels in a sandboxed process", host, port, api_key)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: it dies with this process
+            serve_confined(listener, model, model_ids, engine, built, filters=filters, cache_dir=str(DEFAULT_CACHE),
+                           compiler=CompilerSettings(), budgets=budgets or SchedulerConfig(), api_key=api_key,
+                           limits=limits, drain_timeout=drain_timeout)  # fmt: skip
+            code = 0
+        except KeyboardInterrupt:
+            code = 130
+        except BaseException:  # noqa: BLE001 - said on stderr, then the process ends
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    listener.close()
+    interrupted = []
+
+    def forward(sig: int, _: Any) -> None:
+        interrupted.append(sig)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)  # Ctrl-C reached it already; a second signal would cut its drain short
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        log.error("the sandboxed server died of signal %d", -code)
+        return 1
+    return 130 if signal.SIGINT in interrupted else code
 
 
 def _api_key(api_key_env: str | None) -> str | None:

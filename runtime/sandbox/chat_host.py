@@ -44,9 +44,11 @@ from runtime.settings import CompilerSettings
 from runtime.toolchain.cc import compiler_version, hold_libgomp
 
 if TYPE_CHECKING:
+    from runtime.decoder import SchedulerConfig
     from runtime.engine.kernel_runs import KernelSource
+    from serving._state import Limits
 
-__all__ = ["ChatHost", "ChatHostFailed", "ChatHostTemplate", "prime_chat_host"]
+__all__ = ["ChatHost", "ChatHostFailed", "ChatHostTemplate", "prime_chat_host", "serve_confined"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -187,23 +189,36 @@ def _host(listener: socket.socket, model: DecoderModel, model_id: str, order: di
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
+    from runtime.decoder import SchedulerConfig
+    from runtime.engine.kernel_runs import KernelSource
+
+    engine = ChatEngine(**order["engine"])
+    built = {part: KernelSource(**{**ks, "flags": tuple(ks["flags"])}) for part, ks in order["built"].items()}
+    budgets = SchedulerConfig(kv_budget_bytes=order["kv_budget_bytes"], max_waiting=order["max_waiting"])
+    serve_confined(listener, model, (model_id,), engine, built, filters=filters, cache_dir=cache_dir,
+                   compiler=CompilerSettings.model_validate(order["compiler"]), budgets=budgets)
+
+
+def serve_confined(listener: socket.socket, model: DecoderModel, model_ids: tuple[str, ...], engine: ChatEngine,
+                   built: Mapping[str, KernelSource], *, filters: dict[str, bytes] | None, cache_dir: str,
+                   compiler: CompilerSettings, budgets: SchedulerConfig, api_key: str | None = None,
+                   limits: Limits | None = None, drain_timeout: float | None = None) -> None:  # fmt: skip
+    """Serves ``engine`` on ``listener`` in this process (a fresh fork) until it is stopped: confined as the module
+    docstring says, its kernels ``built`` (each compiled into ``cache_dir`` already) loaded under the filter
+    (``filters``: :func:`runtime.sandbox.filters.compiled_filters`'; ``None``: none on this machine). Engine swaps
+    (``POST /admin/engine``) are refused: they would compile."""
     prefix = "/proc/self/fd/"
     cache_fd = int(cache_dir[len(prefix) :].split("/")[0]) if cache_dir.startswith(prefix) else None
-    for fd in sorted(int(f) for f in os.listdir("/proc/self/fd")):  # nothing of the worker's: its lock, its pipes
+    for fd in sorted(int(f) for f in os.listdir("/proc/self/fd")):  # nothing of the parent's: its lock, its pipes
         if fd not in (0, 1, 2, listener.fileno(), cache_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
     make_undumpable()
     import uvicorn
 
-    from runtime.decoder import SchedulerConfig
     from runtime.decoder.engine import build, engine_threads
-    from runtime.engine.kernel_runs import KernelSource
     from serving._chat_app import create_chat_app
 
-    engine = ChatEngine(**order["engine"])
-    built = {part: KernelSource(**{**ks, "flags": tuple(ks["flags"])}) for part, ks in order["built"].items()}
-    compiler = CompilerSettings.model_validate(order["compiler"])
     confine_to_code(cache_dir)
     if filters is not None:
         load_filter(filters["chat"])
@@ -212,10 +227,17 @@ def _host(listener: socket.socket, model: DecoderModel, model_id: str, order: di
     decoder.generate("Hello", max_tokens=2, temperature=0.0)  # every kernel has run once: lazy binding done
     if filters is not None:
         load_filter(filters["no_exec"])
-    budgets = SchedulerConfig(kv_budget_bytes=order["kv_budget_bytes"], max_waiting=order["max_waiting"])
-    app = create_chat_app(model, engine, decoder=decoder, model_ids=(model_id,), budgets=budgets)
-    config = uvicorn.Config(app, fd=listener.fileno(), log_level="warning", access_log=False, lifespan="on")
-    uvicorn.Server(config).run()
+    app = create_chat_app(model, engine, decoder=decoder, model_ids=model_ids, budgets=budgets, api_key=api_key,
+                          limits=limits, swaps=False)  # fmt: skip
+    config = uvicorn.Config(app, fd=listener.fileno(), log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=drain_timeout)  # fmt: skip
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal it stopped on to itself once drained, which the filter refuses (no signal to
+    # any process, its own included): it drains on SIGTERM or SIGINT here, and returns
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    server.run()
 
 
 def prime_chat_host(model: DecoderModel, model_id: str) -> None:

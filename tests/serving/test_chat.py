@@ -380,7 +380,7 @@ def test_malformed_bodies_unknown_models_and_keys(server: Server) -> None:
     from runtime.decoder.engine import default_linear
 
     assert engine == {"linear": default_linear(), "slots": "c", "kv_dtype": "fp32", "step_tokens": 64,
-                      "max_running": 64, "threads": None}  # the defaults
+                      "max_running": 64, "threads": None, "kernels": {}}  # the defaults
     status, got, _ = server.call("POST", CHAT, {"messages": USER, "max_tokens": 2, "model": "tiny-chat.gguf"})
     assert status == 200 and got["model"] == "tiny-chat.gguf"  # an alias
 
@@ -472,7 +472,7 @@ def test_linear_int8_serves_the_int8_engine_and_ignore_eos_fills_max_tokens(tiny
     try:
         engine = srv.call("GET", "/ready")[1]["engine"]
         assert engine == {"linear": "int8", "slots": "c", "kv_dtype": "f16", "step_tokens": 64, "max_running": 8,
-                          "threads": 1}  # fmt: skip
+                          "threads": 1, "kernels": {}}  # fmt: skip
         int8 = _in_process(decoder.model, engine)
         client = _client(srv)
         for messages in CHATS:
@@ -544,7 +544,9 @@ def test_an_engine_swap_under_streaming_load_fails_no_stream(tmp_path: Path) -> 
 
     try:
         assert srv.call("POST", "/admin/engine", new, key=False)[0] == 401
-        for bad, field in (({"linear": "int4"}, "linear"), ({"threads": 4096}, "threads"), ({"slots": "gpu"}, "slots")):
+        for bad, field in (({"linear": "int4"}, "linear"), ({"threads": 4096}, "threads"), ({"slots": "gpu"}, "slots"),
+                           ({"kernels": {"attention": "7f72cca0"}}, "kernels"),
+                           ({"kernels": {"gelu": "1"}}, "kernels")):
             status, body, _ = srv.call("POST", "/admin/engine", bad)
             assert status == 400 and body["error"]["param"] == field, body
         firsts = [threading.Event() for _ in longs]
@@ -600,7 +602,7 @@ def test_a_chat_engine_runs_winner_is_served_from_the_run(tiny_gguf: Path, tmp_p
     params = json.loads(best.stdout)[0]["params"]
     srv = start_server(tmp_path / "run")
     try:
-        assert srv.call("GET", "/ready")[1]["engine"] == params
+        assert srv.call("GET", "/ready")[1]["engine"] == {**params, "kernels": {}}
         got = _client(srv).chat.completions.create(model="tiny-chat", messages=CHATS[0], max_tokens=4)
         assert got.usage.completion_tokens == 4
     finally:

@@ -117,9 +117,10 @@ class _Forger(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 - the handler's protocol
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        if self.answer is not None:
-            type(self).text, type(self).listed = self.answer(body["messages"][0]["content"], body["max_tokens"])
-            type(self).claimed = len(self.listed)
+        text, listed, claimed = self.text, self.listed, self.claimed
+        if self.answer is not None:  # this request's own (requests come two at a time)
+            text, listed = self.answer(body["messages"][0]["content"], body["max_tokens"])
+            claimed = len(listed)
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.end_headers()
@@ -130,10 +131,10 @@ class _Forger(BaseHTTPRequestHandler):
             return [{"id": i, "logprob": -1.0 if i in self.demoted else -0.5}, {"id": 1, "logprob": -0.9}]
 
         entries = [{"id": i, "token": "", "logprob": -1.0, "bytes": [], "top_logprobs": rivals(i)}
-                   for i in self.listed]  # fmt: skip
-        event = {"choices": [{"index": 0, "delta": {"content": self.text}, "logprobs": {"content": entries}}]}
+                   for i in listed]  # fmt: skip
+        event = {"choices": [{"index": 0, "delta": {"content": text}, "logprobs": {"content": entries}}]}
         self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-        usage = {"prompt_tokens": 9, "completion_tokens": self.claimed, "total_tokens": 9 + self.claimed}
+        usage = {"prompt_tokens": 9, "completion_tokens": claimed, "total_tokens": 9 + claimed}
         self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
 
     def log_message(self, *args: object) -> None:
@@ -306,6 +307,20 @@ def test_a_chat_engine_search_takes_a_kernel_runs_attention_elites(tiny_chat: Pa
     assert evolved["status"] == "ok" and m["tokens_per_s"] > 0 and "top1" not in m, m
     assert m["check_answers"] == 2 and m["check_top1"] >= 0.85 and m["check_kl"] < 0.01, m
     assert m["verified_answers"] == 2 and m["verified_kl"] < 0.01, m
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "serving"))  # serve_helpers, shared with the serving tests
+    from serve_helpers import KEY, start_server, stop
+
+    srv = start_server(tmp_path / "chat", "--elite", evolved["id"][:12], key=KEY)  # served by a sandboxed process
+    try:
+        assert srv.call("GET", "/ready")[1]["engine"]["kernels"] == {"attention": evolved["params"]["kernel_attention"]}
+        status, got, _ = srv.call("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                                  "max_tokens": 3, "ignore_eos": True})  # fmt: skip
+        assert status == 200 and got["usage"]["completion_tokens"] == 3, got
+        status, got, _ = srv.call("POST", "/admin/engine", {"slots": "numpy"})
+        assert status == 409 and got["error"]["code"] == "swaps_off", got
+    finally:
+        assert stop(srv) == 0, srv.proc.stdout.read() if srv.proc.stdout else ""
 
     from genome import Genome
     from runtime.decoder.engine import EngineUnfit, libraries
