@@ -33,6 +33,7 @@ import contextlib
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,9 +46,12 @@ from runtime.backends.base import (
     BackendUnavailable,
     Build,
     Column,
+    Duels,
     Failure,
     Measurement,
+    Profiles,
     Program,
+    RivalFailure,
     WorkerContext,
 )
 from runtime.decoder.chat_load import Answer, ChatLoad, LoadFailed, chat, run_load
@@ -152,6 +156,17 @@ def served_fidelity(task: ChatEngineTask, answers: list[Answer], name: str) -> d
     return metrics
 
 
+def _duel_figures(rounds: list[Measured]) -> dict[str, Any]:
+    """A duel's figures of one engine: the median of its rounds' tokens/s, p99 inter-token latency, p99 time to
+    first token and memory, and each round's."""
+    loads = [m.load for m in rounds]
+    return {"tokens_per_s": float(np.median([x.tokens_per_s for x in loads])),
+            "itl_p99_ms": float(np.median([x.itl_s[1] for x in loads])) * 1000,
+            "ttft_p99_ms": float(np.median([x.ttft_s[1] for x in loads])) * 1000,
+            "memory_mb": float(np.median([m.memory_mb for m in rounds])),
+            "rounds": [{"tokens_per_s": x.tokens_per_s, "itl_p99_ms": x.itl_s[1] * 1000} for x in loads]}  # fmt: skip
+
+
 @dataclass
 class _Reference:
     """The default engine's load figures, and when (``time.monotonic()``) they were taken."""
@@ -161,7 +176,7 @@ class _Reference:
 
 
 @dataclass
-class ChatEngineProgram(Program):
+class ChatEngineProgram(Program, Profiles, Duels):
     """A chat engine serving in its host (its kernels loaded), not yet under load."""
 
     task: ChatEngineTask
@@ -170,6 +185,7 @@ class ChatEngineProgram(Program):
     settings: EvalSettings
     ctx: WorkerContext
     backend: ChatEngineBackend
+    built: dict[str, KernelSource] = field(default_factory=dict)  # its libraries, compiled (compile_engine)
     calls_s: float = 0.0
     _closed: bool = field(default=False, repr=False)
 
@@ -240,6 +256,93 @@ class ChatEngineProgram(Program):
     def confirm(self) -> None:
         """The fidelity again (the engine's numerics, as checked before its load)."""
         self.check(1)
+
+    def profile(self) -> Measurement:
+        """Where the engine's time goes serving the task's load (its fixed prompts, every answer to
+        ``max_tokens``): a host of its own, confined as every host is, serves them through the engine's scheduler
+        with each operator timed (:func:`runtime.decoder.profile.profile_decoder`), pinned to the task's cores
+        under the lock, and prints its profile. A profile that cannot be true (more time than the worker's clock
+        saw, other requests or tokens than asked) is ``invalid``; how the engine splits its time stays its own
+        account, and steers only where a factory's next searches spend (never a promotion)."""
+        a, model = self.task.args, self.task.model()
+        prompts = [model.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in self.task.prompts(a.seed)[1:]]
+        asked = {"prompts": prompts, "max_tokens": a.max_tokens}
+        with self.ctx.lock.held() as waited, pinned(self.settings.timing.core, self.task.cores) as cores:  # type: ignore[union-attr]
+            t0 = time.perf_counter()
+            host = self.backend.template(self.task, self.ctx).spawn(
+                self.engine, self.built, compiler=self.settings.compiler, profile=asked,
+                kv_budget_bytes=int(a.kv_cache_mb * 2**20))  # fmt: skip
+            try:
+                pin(process_tree(host.pid), cores)
+                found = host.wait_profile(timeout=self.settings.sandbox.timeout)
+            except ChatHostFailed as exc:
+                raise Failure(Status.CRASH, str(exc)) from None
+            finally:
+                host.close()
+            wall_s = time.perf_counter() - t0
+        self.calls_s += wall_s
+        total, tokens = found.get("total_s", 0.0), found.get("output_tokens", -1)
+        if not 0 < total <= wall_s or found.get("requests") != len(prompts) or tokens != len(prompts) * a.max_tokens:
+            raise Failure(Status.INVALID, f"the engine's host misreported its profile: {total:.3f} s of "
+                          f"{wall_s:.3f} s, {found.get('requests')} requests and {tokens} tokens for "
+                          f"{len(prompts)} and {len(prompts) * a.max_tokens}")  # fmt: skip
+        return Measurement(None, {"profile": found}, {"lock_wait_s": waited, "time_s": wall_s})
+
+    def duel(self, open_rival: Callable[[], Program]) -> Measurement:
+        """Both engines checked (:meth:`check`), then the load on each in turn, ``duel_rounds`` rounds each under
+        the lock, both on the same new prompts each round, then both engines' answers verified against the fp32
+        engine. ``duel_ratio`` is the median tokens/s over the rival's. The fitness is ``None`` when the median
+        p99 inter-token latency or time to first token is over its budget. A rival that breaks a rule raises
+        :class:`RivalFailure`: both are held to the fp32 engine, never one to the other."""
+        a = self.task.args
+        t0 = time.perf_counter()
+        checked = self.check(1)
+        rival = open_rival()
+        assert isinstance(rival, ChatEngineProgram)
+        failed: RivalFailure | None = None  # the challenger's figures are measured still: the verdict needs them
+        rival_checked: dict[str, Any] = {}
+        try:
+            with RivalFailure.blame():
+                rival_checked = rival.check(1)
+        except RivalFailure as exc:
+            failed = exc
+        check_s = time.perf_counter() - t0
+        mine: list[Measured] = []
+        theirs: list[Measured] = []
+        t1 = time.perf_counter()
+        with self.ctx.lock.held() as waited, pinned(self.settings.timing.core, self.task.cores) as cores:  # type: ignore[union-attr]
+            for _ in range(a.duel_rounds):
+                salt = secrets.randbits(63)
+                mine.append(measure(self.host, self.task, cores, salt))
+                if failed is None:
+                    try:
+                        with RivalFailure.blame():
+                            theirs.append(measure(rival.host, self.task, cores, salt))
+                    except RivalFailure as exc:
+                        failed = exc
+        spent = time.perf_counter() - t1 - waited
+        t2 = time.perf_counter()
+        verified = [self._verify(m) for m in mine]
+        if failed is None:
+            try:
+                with RivalFailure.blame():
+                    for m in theirs:
+                        rival._verify(m)
+            except RivalFailure as exc:
+                failed = exc
+        verify_s = time.perf_counter() - t2
+        self.calls_s += spent
+        figures = _duel_figures(mine)
+        metrics: dict[str, Any] = {**checked, **figures, **verified[-1], "duel_rounds": len(mine)}
+        timings = {"check_s": check_s, "lock_wait_s": waited, "time_s": spent, "verify_s": verify_s}
+        if failed is not None:
+            raise RivalFailure(failed.status, str(failed), metrics=metrics, timings=timings)
+        rival_figures = _duel_figures(theirs)
+        metrics.update({f"rival_{k}": v for k, v in {**rival_checked, **rival_figures}.items()},
+                       duel_ratio=figures["tokens_per_s"] / rival_figures["tokens_per_s"]
+                       if rival_figures["tokens_per_s"] else float("inf"))  # fmt: skip
+        over = figures["itl_p99_ms"] > a.itl_p99_budget_ms or figures["ttft_p99_ms"] > a.ttft_p99_budget_ms
+        return Measurement(None if over else figures["tokens_per_s"], metrics, timings)
 
     def close(self) -> None:
         if not self._closed:
@@ -355,4 +458,5 @@ class ChatEngineBackend(Backend[ChatEngineTask]):
 
     def load(self, task: ChatEngineTask, build: Build, settings: EvalSettings, ctx: WorkerContext) -> ChatEngineProgram:
         engine, built = build.artifact
-        return ChatEngineProgram(task, self.serve(task, engine, built, settings, ctx), engine, settings, ctx, self)
+        return ChatEngineProgram(task, self.serve(task, engine, built, settings, ctx), engine, settings, ctx, self,
+                                 built)  # fmt: skip

@@ -48,6 +48,9 @@ class ChatEngineArgs(TaskArgs, KernelOfferArgs):
     top1_floor: float = Field(0.95, gt=0, le=1, description="top-1 agreement with the fp32 engine, at least")
     kl_floor: float = Field(0.01, ge=0, description="mean KL divergence from the fp32 engine (nats), at most")
     check_texts: int = Field(8, ge=1, description="held-out texts the fidelity check teacher-forces")
+    check_skip: int = Field(0, ge=0, description="held-out texts start after this many (a factory's duels skip "
+                            "those its searches check)")
+    duel_rounds: int = Field(2, ge=1, description="load rounds of each engine in a duel, alternating")
     verified: int = Field(4, ge=0, description="answers of each load checked against the fp32 engine, chosen "
                           "once it is over")  # fmt: skip
     kv_cache_mb: float = Field(2048.0, gt=0, description="the KV cache budget of the running requests")
@@ -261,11 +264,12 @@ class ChatEngineTask(Task, KernelOffers):
 
     def check_texts(self) -> list[str]:
         """The held-out texts of the fidelity check: paragraphs of :func:`corpus`, the longest first that fit in
-        half the model's context (fixed)."""
+        half the model's context, from the ``check_skip``-th (fixed)."""
         fit = min(self.model().config.context // 2, 512)
         tokenizer = self.model().tokenizer
         paragraphs = sorted((p for p in corpus().split("\n\n") if len(p) > 80), key=len, reverse=True)
-        return [p for p in paragraphs if len(tokenizer.encode(p)) <= fit][: self.args.check_texts]
+        fitting = [p for p in paragraphs if len(tokenizer.encode(p)) <= fit]
+        return fitting[self.args.check_skip : self.args.check_skip + self.args.check_texts]
 
     def prompts(self, salt: int) -> list[str]:
         """One load's prompts, new text for each ``salt``: every client's requests, and one to warm up with first.

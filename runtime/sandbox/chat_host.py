@@ -28,6 +28,7 @@ import os
 import resource
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Mapping
@@ -44,11 +45,12 @@ from runtime.settings import CompilerSettings
 from runtime.toolchain.cc import compiler_version, hold_libgomp
 
 if TYPE_CHECKING:
-    from runtime.decoder import SchedulerConfig
+    from runtime.decoder import Decoder, SchedulerConfig
     from runtime.engine.kernel_runs import KernelSource
     from serving._state import Limits
 
-__all__ = ["ChatHost", "ChatHostFailed", "ChatHostTemplate", "prime_chat_host", "serve_confined"]
+__all__ = ["PROFILE_LINE", "ChatHost", "ChatHostFailed", "ChatHostTemplate", "confined_decoder", "prime_chat_host",
+           "serve_confined"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -93,6 +95,24 @@ class ChatHost:
         self.close()
         raise ChatHostFailed(f"the engine's host was not ready after {timeout:.0f} s: {self.tail()}")
 
+    def wait_profile(self, timeout: float) -> dict[str, Any]:
+        """The profile a host in profile mode printed (see :meth:`ChatHostTemplate.spawn`), once it has ended;
+        raises :class:`ChatHostFailed` where it ends without one or takes longer."""
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.alive():
+            self.close()
+            raise ChatHostFailed(f"the engine's host did not profile its load in {timeout:.0f} s: {self.tail()}")
+        with contextlib.suppress(OSError):
+            for line in self.log.read_text(errors="replace").splitlines():
+                if line.startswith(PROFILE_LINE):
+                    try:
+                        return dict(json.loads(line[len(PROFILE_LINE) :]))
+                    except (ValueError, TypeError):
+                        break
+        raise ChatHostFailed(f"the engine's host ended without its profile: {self.tail()}")
+
     def close(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
@@ -126,13 +146,15 @@ class ChatHostTemplate:
             return False
 
     def spawn(self, engine: ChatEngine, built: Mapping[str, KernelSource], *, compiler: CompilerSettings,
-              kv_budget_bytes: int, max_waiting: int = 1024) -> ChatHost:  # fmt: skip
+              kv_budget_bytes: int, max_waiting: int = 1024,
+              profile: dict[str, Any] | None = None) -> ChatHost:  # fmt: skip
         """A host serving ``engine`` on ``built`` (:func:`runtime.decoder.engine.compile_engine`'s answer: every
         library compiled into the cache already, each loaded only as that build), not yet ready (see
-        :meth:`ChatHost.wait_ready`)."""
+        :meth:`ChatHost.wait_ready`). With ``profile`` (``prompts``: token ids, ``max_tokens``), the host serves
+        no port: it profiles those generations, prints its profile to its log (:data:`PROFILE_LINE`) and ends."""
         order = {"engine": engine.model_dump(), "built": {part: dataclasses.asdict(ks) for part, ks in built.items()},
                  "compiler": compiler.model_dump(mode="json"), "kv_budget_bytes": kv_budget_bytes,
-                 "max_waiting": max_waiting}  # fmt: skip
+                 "max_waiting": max_waiting, "profile": profile}  # fmt: skip
         self._sock.sendall((json.dumps(order) + "\n").encode())
         line = self._lines.readline()
         if not line:
@@ -195,29 +217,31 @@ def _host(listener: socket.socket, model: DecoderModel, model_id: str, order: di
     engine = ChatEngine(**order["engine"])
     built = {part: KernelSource(**{**ks, "flags": tuple(ks["flags"])}) for part, ks in order["built"].items()}
     budgets = SchedulerConfig(kv_budget_bytes=order["kv_budget_bytes"], max_waiting=order["max_waiting"])
+    compiler = CompilerSettings.model_validate(order["compiler"])
+    if order.get("profile"):
+        listener.close()
+        _profile(model, engine, built, order, filters=filters, cache_dir=cache_dir, compiler=compiler, budgets=budgets)
+        return
     serve_confined(listener, model, (model_id,), engine, built, filters=filters, cache_dir=cache_dir,
-                   compiler=CompilerSettings.model_validate(order["compiler"]), budgets=budgets)
+                   compiler=compiler, budgets=budgets)
 
 
-def serve_confined(listener: socket.socket, model: DecoderModel, model_ids: tuple[str, ...], engine: ChatEngine,
-                   built: Mapping[str, KernelSource], *, filters: dict[str, bytes] | None, cache_dir: str,
-                   compiler: CompilerSettings, budgets: SchedulerConfig, api_key: str | None = None,
-                   limits: Limits | None = None, drain_timeout: float | None = None) -> None:  # fmt: skip
-    """Serves ``engine`` on ``listener`` in this process (a fresh fork) until it is stopped: confined as the module
-    docstring says, its kernels ``built`` (each compiled into ``cache_dir`` already) loaded under the filter
-    (``filters``: :func:`runtime.sandbox.filters.compiled_filters`'; ``None``: none on this machine). Engine swaps
-    (``POST /admin/engine``) are refused: they would compile."""
+def confined_decoder(listener: socket.socket | None, model: DecoderModel, engine: ChatEngine,
+                     built: Mapping[str, KernelSource], *, filters: dict[str, bytes] | None, cache_dir: str,
+                     compiler: CompilerSettings) -> Decoder:  # fmt: skip
+    """``engine`` built in this process (a fresh fork), confined as the module docstring says: every descriptor but
+    the standard ones, ``listener`` and the cache closed; its kernels ``built`` (each compiled into ``cache_dir``
+    already) loaded under the filter (``filters``: :func:`runtime.sandbox.filters.compiled_filters`'; ``None``:
+    none on this machine) and run once, then no new code."""
     prefix = "/proc/self/fd/"
     cache_fd = int(cache_dir[len(prefix) :].split("/")[0]) if cache_dir.startswith(prefix) else None
+    keep = {0, 1, 2, cache_fd, listener.fileno() if listener is not None else None}
     for fd in sorted(int(f) for f in os.listdir("/proc/self/fd")):  # nothing of the parent's: its lock, its pipes
-        if fd not in (0, 1, 2, listener.fileno(), cache_fd):
+        if fd not in keep:
             with contextlib.suppress(OSError):
                 os.close(fd)
     make_undumpable()
-    import uvicorn
-
     from runtime.decoder.engine import build, engine_threads
-    from serving._chat_app import create_chat_app
 
     confine_to_code(cache_dir)
     if filters is not None:
@@ -227,6 +251,21 @@ def serve_confined(listener: socket.socket, model: DecoderModel, model_ids: tupl
     decoder.generate("Hello", max_tokens=2, temperature=0.0)  # every kernel has run once: lazy binding done
     if filters is not None:
         load_filter(filters["no_exec"])
+    return decoder
+
+
+def serve_confined(listener: socket.socket, model: DecoderModel, model_ids: tuple[str, ...], engine: ChatEngine,
+                   built: Mapping[str, KernelSource], *, filters: dict[str, bytes] | None, cache_dir: str,
+                   compiler: CompilerSettings, budgets: SchedulerConfig, api_key: str | None = None,
+                   limits: Limits | None = None, drain_timeout: float | None = None) -> None:  # fmt: skip
+    """Serves ``engine`` on ``listener`` in this process (a fresh fork) until SIGTERM or SIGINT, then drains:
+    built by :func:`confined_decoder`. Engine swaps (``POST /admin/engine``) are refused: they would compile."""
+    import uvicorn
+
+    from serving._chat_app import create_chat_app
+
+    decoder = confined_decoder(listener, model, engine, built, filters=filters, cache_dir=cache_dir,
+                               compiler=compiler)  # fmt: skip
     app = create_chat_app(model, engine, decoder=decoder, model_ids=model_ids, budgets=budgets, api_key=api_key,
                           limits=limits, swaps=False)  # fmt: skip
     config = uvicorn.Config(app, fd=listener.fileno(), log_level="warning", access_log=False, lifespan="on",
@@ -238,6 +277,25 @@ def serve_confined(listener: socket.socket, model: DecoderModel, model_ids: tupl
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, server.handle_exit)
     server.run()
+
+
+PROFILE_LINE = "EVOFORGE-PROFILE "
+"""How a host in profile mode starts the line of its log that holds its profile (JSON)."""
+
+
+def _profile(model: DecoderModel, engine: ChatEngine, built: Mapping[str, KernelSource], order: dict[str, Any], *,
+             filters: dict[str, bytes] | None, cache_dir: str, compiler: CompilerSettings,
+             budgets: SchedulerConfig) -> None:  # fmt: skip
+    """Profile mode: ``order["profile"]``'s prompts served through the engine's own scheduler with every operator
+    timed (:func:`runtime.decoder.profile.profile_decoder`), the profile printed as one line, then the process
+    ends. Its figures are its own account: they steer only where a factory searches next."""
+    from runtime.decoder.profile import profile_decoder
+
+    decoder = confined_decoder(None, model, engine, built, filters=filters, cache_dir=cache_dir, compiler=compiler)
+    asked = order["profile"]
+    found = profile_decoder(decoder, asked["prompts"], asked["max_tokens"], engine.scheduler(budgets))
+    sys.stdout.write(PROFILE_LINE + json.dumps(found.to_dict()) + "\n")
+    sys.stdout.flush()
 
 
 def prime_chat_host(model: DecoderModel, model_id: str) -> None:
