@@ -104,4 +104,4 @@ def status(path: Path, as_json: bool) -> None:
         gain = p.get("gain")
         against = "the incumbent failed its duel" if gain is None else f"{gain:+.1%} against the incumbent"
         console.print(f"round {p['round']}: promoted {p['elite'][:12]} of {p['run_dir']}: {p['throughput']:.1f} "
-                      f"sentences/s ({against}), p99 {p['p99_ms']:.1f} ms")
+                      f"{p.get('unit', 'sentences/s')} ({against}), p99 {p['p99_ms']:.1f} ms")

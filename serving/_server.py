@@ -9,7 +9,7 @@ then exits 130, like every evo command.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import os
 import signal
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from archive import FactoryDir, is_run, run_db
+from serving._confined_chat import ConfinedChatServer, Engine, follow_promotions, record_swap
 from serving._runner import ServeError
 from serving._served_run import ServedRun, ok_candidate, open_served
 from serving._state import Limits
@@ -75,15 +76,14 @@ def serve(run_dir: str | Path | None, *, elite: str = "best", host: str = "127.0
         raise ServeError(f"no run in {run_dir} (expected {run_db(run_dir)}): give the directory of an evo run")
     with open_served(run_dir) as run:  # once: what is served, checked before the port is taken
         if run.task_name == "chat_engine":
-            if follow is not None:
-                raise ServeError(f"{follow} promoted a chat engine run: --follow serves encoder engines only")
             model, engine, kernels, note = _chat_elite(run, elite)
         else:
             served = ServedRun.read(run, elite)
     if run.task_name == "chat_engine":
         log.info("serving %s", note)
         return serve_gguf(model, engine=engine, kernels=kernels, host=host, port=port, api_key_env=api_key_env,
-                          limits=limits, drain_timeout=drain_timeout)  # fmt: skip
+                          limits=limits, drain_timeout=drain_timeout, follow=follow,
+                          source=(str(run_dir), elite) if follow is not None else None)  # fmt: skip
     api_key = _api_key(api_key_env)
     _check_port(host, port)
     _log_start(served.note, host, port, api_key)
@@ -126,12 +126,13 @@ def _chat_elite(run: Any, elite: str) -> tuple[Path, ChatEngine, dict[str, Kerne
 
 def serve_gguf(path: str | Path, *, engine: ChatEngine | None = None, kernels: Mapping[str, KernelSource] | None = None,
                host: str = "127.0.0.1", port: int = 8000, api_key_env: str | None = None, limits: Limits | None = None,
-               budgets: SchedulerConfig | None = None, drain_timeout: float = 30.0) -> int:  # fmt: skip
+               budgets: SchedulerConfig | None = None, drain_timeout: float = 30.0, follow: Path | None = None,
+               source: tuple[str, str] | None = None) -> int:  # fmt: skip
     """Serves the chat model of the GGUF file ``path`` on the decoder engine ``engine`` (default
     :class:`runtime.decoder.engine.ChatEngine`'s) until a signal; returns the exit code. ``budgets``: the KV cache
     and waiting queue. An engine with evolved kernels (``kernels``: the sources of those ``engine.kernels`` names)
-    serves from a sandboxed process of its own (:func:`runtime.sandbox.chat_host.serve_confined`), which this one
-    waits for.
+    serves from a confined process of its own (:mod:`serving._confined_chat`), and so does every engine when
+    following a factory (``follow``; ``source``: the promotion served first, as ``(run_dir, elite)``).
 
     Raises :class:`ServeError` for what the user can fix (a file the decoder cannot load, a precision this CPU
     has no kernel for, missing key, busy port). The model loads before the port is taken.
@@ -158,39 +159,23 @@ def serve_gguf(path: str | Path, *, engine: ChatEngine | None = None, kernels: M
         raise ServeError(f"--gguf: {exc}") from None
     cfg = model.config
     what = f"{path.name} ({cfg.architecture}, {cfg.layers} layers, context {cfg.context}; {engine.describe()})"
-    if engine.kernels:
-        return _serve_confined(model, (path.stem, path.name), engine, kernels or {}, what, host=host, port=port,
-                               api_key=api_key, limits=limits, budgets=budgets, drain_timeout=drain_timeout)
+    if engine.kernels or follow is not None:
+        first = Engine(engine, kernels or {}, what, source)
+        return _serve_confined(model, path, first, host=host, port=port, api_key=api_key, limits=limits,
+                               budgets=budgets, drain_timeout=drain_timeout, follow=follow)  # fmt: skip
     app = create_chat_app(model, engine, model_ids=(path.stem, path.name), budgets=budgets, api_key=api_key,
                           limits=limits)  # fmt: skip
     _log_start(what, host, port, api_key)
     return _run(app, host, port, drain_timeout)
 
 
-def _serve_confined(model: Any, model_ids: tuple[str, ...], engine: ChatEngine, kernels: Mapping[str, KernelSource],
-                    what: str, *, host: str, port: int, api_key: str | None, limits: Limits | None,
-                    budgets: SchedulerConfig | None, drain_timeout: float) -> int:  # fmt: skip
-    """``engine`` (with evolved kernels) served by a child process confined as the worker's chat hosts are; its
-    kernels compile here first. SIGTERM (and Ctrl-C) reach it, and it drains before it exits."""
-    import ctypes
-    import traceback
-
+def _serve_confined(model: Any, path: Path, first: Engine, *, host: str, port: int, api_key: str | None,
+                    limits: Limits | None, budgets: SchedulerConfig | None, drain_timeout: float,
+                    follow: Path | None) -> int:  # fmt: skip
+    """``first`` served by a confined child process (:class:`ConfinedChatServer`); with ``follow``, each new
+    promotion of that factory swapped in (a promotion of another model is refused, and recorded so)."""
     from runtime.decoder import SchedulerConfig
-    from runtime.decoder.engine import EngineUnfit, compile_engine
-    from runtime.decoder.kernels import DEFAULT_CACHE
-    from runtime.sandbox.chat_host import serve_confined
-    from runtime.sandbox.filters import compiled_filters
-    from runtime.settings import CompilerSettings
-    from runtime.toolchain.cc import CompileError, hold_libgomp
 
-    try:
-        built = compile_engine(engine, kernels, cache_dir=DEFAULT_CACHE)
-    except EngineUnfit as exc:
-        raise ServeError(str(exc)) from None
-    except CompileError as exc:
-        raise ServeError(f"the engine's kernels do not compile: {exc.stderr[:500]}") from None
-    filters = compiled_filters()
-    hold_libgomp()
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     listener = socket.socket(infos[0][0], socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -199,38 +184,24 @@ def _serve_confined(model: Any, model_ids: tuple[str, ...], engine: ChatEngine, 
     except OSError as exc:
         raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror} (choose another --port)") from None
     listener.listen(2048)
-    _log_start(f"{what}, its evolved kernels in a sandboxed process", host, port, api_key)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: it dies with this process
-            serve_confined(listener, model, model_ids, engine, built, filters=filters, cache_dir=str(DEFAULT_CACHE),
-                           compiler=CompilerSettings(), budgets=budgets or SchedulerConfig(), api_key=api_key,
-                           limits=limits, drain_timeout=drain_timeout)  # fmt: skip
-            code = 0
-        except KeyboardInterrupt:
-            code = 130
-        except BaseException:  # noqa: BLE001 - said on stderr, then the process ends
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    listener.close()
-    interrupted = []
+    server = ConfinedChatServer(model, (path.stem, path.name), listener, api_key=api_key, limits=limits,
+                                budgets=budgets or SchedulerConfig(), drain_timeout=drain_timeout)  # fmt: skip
+    server.start(first)  # the listener stays open here: each new engine's child serves on it
+    _log_start(f"{first.what}, from a confined process", host, port, api_key)
+    if follow is None:
+        return server.run()
 
-    def forward(sig: int, _: Any) -> None:
-        interrupted.append(sig)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)  # Ctrl-C reached it already; a second signal would cut its drain short
+    def engine_of(run_dir: str, elite: str) -> Engine:
+        with open_served(Path(run_dir)) as run:
+            if run.task_name != "chat_engine":
+                raise ServeError(f"{run_dir} is a {run.task_name} run, not a chat engine's: not swapped")
+            promoted, engine, kernels, what = _chat_elite(run, elite)
+        if promoted.resolve() != path.resolve():
+            raise ServeError(f"{what} runs {promoted}, not the model served ({path}): not swapped")
+        return Engine(engine, kernels, what, (run_dir, elite))
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    _, status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    if code < 0:
-        log.error("the sandboxed server died of signal %d", -code)
-        return 1
-    return 130 if signal.SIGINT in interrupted else code
+    poll = follow_promotions(follow, engine_of, lambda: server.serving)
+    return server.run(poll, swapped=functools.partial(record_swap, follow))
 
 
 def _api_key(api_key_env: str | None) -> str | None:

@@ -1,4 +1,7 @@
-"""A factory's YAML config: the model, the load it serves, the budget and how it plans, promotes and serves."""
+"""A factory's YAML config: the model, the load it serves, the budget and how it plans, promotes and serves.
+
+Two kinds of model: a BERT sentence encoder (``model_dir``, default the bundled MiniLM), or a GGUF chat model
+(``model``: a file, or smollm2 / gemma3). Its kind picks what ``load`` and ``promote`` hold, and the slots planned."""
 
 from __future__ import annotations
 
@@ -26,6 +29,21 @@ class LoadConfig(ServingLoad):
     p99_budget_ms: float = Field(250.0, gt=0, description="an engine over this p99 is never promoted")
 
 
+class ChatLoadConfig(_Model):
+    """The generative load every chat engine is measured under: the chat_engine task's arguments of the same
+    names (closed-loop chat clients streaming greedy answers)."""
+
+    threads: int = Field(2, ge=1, description="cores an engine runs on")
+    streams: int = Field(8, ge=1, le=256, description="closed-loop chat clients")
+    requests: int = Field(2, ge=1, description="requests each client sends per load")
+    prompt_tokens: tuple[int, int] = Field((32, 512), description="the prompts' lengths in tokens, drawn uniformly")
+    max_tokens: int = Field(128, ge=1, description="tokens each answer runs to")
+    itl_p99_budget_ms: float = Field(1000.0, gt=0, description="an engine over this p99 inter-token latency is never "
+                                     "promoted")  # fmt: skip
+    ttft_p99_budget_ms: float = Field(60000.0, gt=0, description="nor one over this p99 time to first token")
+    kv_cache_mb: float = Field(2048.0, gt=0, description="the KV cache budget of the running requests")
+
+
 class BudgetConfig(_Model):
     rounds: int = Field(2, ge=1, description="profile -> plan -> searches -> promotion, this many times")
     kernel_evals: int = Field(60, ge=1, description="kernel evaluations per round, shared by the slots' searches")
@@ -44,10 +62,17 @@ class BudgetConfig(_Model):
         return self
 
 
+ENCODER_SLOTS = ["linear", "gelu", "layernorm", "softmax"]
+CHAT_SLOTS = ["linear", "attention", "rmsnorm"]
+
+
 class PlanConfig(_Model):
     min_share: float = Field(0.05, ge=0, lt=1, description="a slot under this share of the time gets no search")
-    slots: list[str] = Field(default_factory=lambda: ["linear", "gelu", "layernorm", "softmax"],
-                             description="slots the factory may search kernels for")  # fmt: skip
+    slots: list[str] | None = Field(None, description="slots the factory may search kernels for (default: every "
+                                    f"slot of the model's kind: {', '.join(ENCODER_SLOTS)}; a chat model's "
+                                    f"{', '.join(CHAT_SLOTS)})")  # fmt: skip
+    precisions: list[str] = Field(default_factory=lambda: ["fp32", "q8"], description="a chat model's GEMM "
+                                  "precisions whose kernels the linear slot's searches evolve (those this CPU runs)")
     stagnation: float = Field(0.02, ge=0, description="a slot whose last search gained less (relative) is "
                                                       "not searched again")  # fmt: skip
 
@@ -61,18 +86,49 @@ class PromoteConfig(_Model):
                                                   "(relative; below 0 accepts a loss that small)")
 
 
+class ChatPromoteConfig(_Model):
+    held_out_texts: int = Field(8, ge=1, description="texts the searches never check, for the fidelity check")
+    top1_floor: float = Field(0.95, gt=0, le=1, description="top-1 agreement with the fp32 engine, at least")
+    kl_floor: float = Field(0.01, ge=0, description="mean KL divergence from the fp32 engine (nats), at most")
+    rounds: int = Field(3, ge=1, description="alternating load rounds of the candidate and the incumbent")
+    min_gain: float = Field(0.0, ge=-1, description="promoted only when faster than the incumbent by more than this "
+                                                  "(relative; below 0 accepts a loss that small)")
+
+
 class FactoryConfig(_Model):
     name: str | None = Field(None, description="factory name (default: the config file's stem); factories/<name>")
     model_dir: str | None = Field(None, description="a BERT sentence encoder's directory (default: the bundled "
                                                     "all-MiniLM-L6-v2)")  # fmt: skip
-    load: LoadConfig = Field(default_factory=LoadConfig)
+    model: str | None = Field(None, description="a GGUF chat model: a file, or smollm2 / gemma3 (their packages'); "
+                              "the factory then builds a chat engine")
+    load: LoadConfig | ChatLoadConfig = Field(default_factory=LoadConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
-    promote: PromoteConfig = Field(default_factory=PromoteConfig)
+    promote: PromoteConfig | ChatPromoteConfig = Field(default_factory=PromoteConfig)
     execution: ExecutionConfig = Field(
         default_factory=ExecutionConfig, description="where the searches evaluate (kind: ray spreads every search "
         "over the cluster's nodes, and a round's kernel searches then run at once); profiles and duels run here")
     seed: int = Field(0, description="seed of every search")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind(cls, raw: Any) -> Any:
+        """A chat model's load and promotion are a chat engine's; ``model`` and ``model_dir`` exclude each other."""
+        if not isinstance(raw, dict) or raw.get("model") is None:
+            return raw
+        if raw.get("model_dir") is not None:
+            raise ValueError("give model (a GGUF chat model) or model_dir (a sentence encoder), not both")
+        return {**raw, "load": ChatLoadConfig.model_validate(raw.get("load") or {}),
+                "promote": ChatPromoteConfig.model_validate(raw.get("promote") or {})}  # fmt: skip
+
+    @property
+    def chat(self) -> bool:
+        """Whether the factory builds a chat engine (a GGUF model) rather than a sentence encoder's."""
+        return self.model is not None
+
+    @property
+    def slots(self) -> list[str]:
+        return self.plan.slots if self.plan.slots is not None else (CHAT_SLOTS if self.chat else ENCODER_SLOTS)
 
 
 def load_factory_config(path: Path) -> FactoryConfig:
@@ -91,4 +147,8 @@ def load_factory_config(path: Path) -> FactoryConfig:
         raise UserError(f"{path}: {where}: {first['msg']}") from None
     if config.model_dir is not None and not Path(config.model_dir).is_absolute():
         config = config.model_copy(update={"model_dir": str(Path(config.model_dir).resolve())})  # as evo run: cwd
+    from runtime.decoder.models import MODELS
+
+    if config.model is not None and config.model not in MODELS and not Path(config.model).is_absolute():
+        config = config.model_copy(update={"model": str(Path(config.model).resolve())})
     return config

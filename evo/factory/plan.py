@@ -7,11 +7,10 @@ whose last search stagnated. Every decision carries its reason, stored with the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from evo.factory.config import FactoryConfig
-from runtime.engine.profile import Profile
 
 __all__ = ["Plan", "PlannedSearch", "make_plan", "slot_tasks_for"]
 
@@ -64,18 +63,19 @@ def slot_tasks_for(slot: str, cpu_flags: Sequence[str], hidden: int, intermediat
     return tasks, "" if tasks else "; ".join(reasons) or f"no built-in task fills the {slot} slot"
 
 
-def make_plan(round_: int, profile: Profile, config: FactoryConfig, *, cpu_flags: Sequence[str], hidden: int,
-              intermediate: int, gains: Mapping[str, float | None] | None = None) -> Plan:  # fmt: skip
+def make_plan(round_: int, shares: Mapping[str, float], config: FactoryConfig, *,
+              slot_tasks: Callable[[str], tuple[list[str], str]],
+              gains: Mapping[str, float | None] | None = None) -> Plan:  # fmt: skip
     """The round's searches: ``budget.kernel_evals`` shared by the eligible slots in proportion to their share of
-    ``profile`` (each at least ``budget.min_evals``); a slot several tasks can fill (the linear slot's bf16 and
+    the engine's time (``shares``, by slot), each at least ``budget.min_evals``; ``slot_tasks(slot)``: the tasks
+    that can fill a slot on this CPU (or none and why). A slot several tasks can fill (the linear slot's bf16 and
     int8 kernels) splits its share between them. ``gains``: each slot's relative gain in its last search (the
     best of its tasks'; ``None``: not measured); one under ``plan.stagnation`` is stopped."""
-    shares = profile.shares()
     eligible: dict[str, tuple[list[str], float]] = {}
     skipped: dict[str, str] = {}
-    for slot in config.plan.slots:
+    for slot in config.slots:
         share = shares.get(slot, 0.0)
-        tasks, why = slot_tasks_for(slot, cpu_flags, hidden, intermediate)
+        tasks, why = slot_tasks(slot)
         gain = (gains or {}).get(slot)
         if not tasks:
             skipped[slot] = why

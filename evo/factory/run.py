@@ -27,7 +27,7 @@ from typing import Any
 from archive import FactoryDir, is_run
 from evo.errors import UserError
 from evo.factory.config import FactoryConfig
-from evo.factory.kernels import engine_run_config, kernel_run_config
+from evo.factory.kinds import kind_of
 from evo.factory.measure import Measurer
 from evo.factory.plan import Plan, make_plan
 from runtime.result import Status
@@ -74,14 +74,15 @@ class Factory:
         # absolute: promotions name their runs by path, for a server started anywhere
         self.config, self.path, self.note = config, path.resolve(), note
         self.dir = FactoryDir(self.path)
-        self.measurer = Measurer(self.path, config)
+        self.kind = kind_of(config)
+        self.measurer = Measurer(self.path, config, self.kind)
 
     @classmethod
     def create(cls, config: FactoryConfig, path: Path, **kw: Any) -> Factory:
         if FactoryDir(path).exists():
             raise UserError(f"{path} already holds a factory: continue it with --resume, or choose another --dir")
         factory = cls(config, path, **kw)
-        factory._model_config()  # a model the engine cannot run is one line, before anything is written
+        factory.kind.check()  # a model the engine cannot run is one line, before anything is written
         private_dir(path)
         factory.dir.write_config(config.model_dump(mode="json"))
         return factory
@@ -130,12 +131,11 @@ class Factory:
     def _plan(self, n: int, profile: dict[str, Any]) -> Plan:
         if self.dir.plans.has(n):
             return Plan.from_dict(self.dir.plans.read(n))
-        from runtime.engine.profile import Profile
         from runtime.hardware import cpu_flags
 
-        cfg = self._model_config()
-        plan = make_plan(n, Profile.from_dict(profile), self.config, cpu_flags=sorted(cpu_flags()),
-                         hidden=cfg.hidden, intermediate=cfg.intermediate, gains=self._gains(n))  # fmt: skip
+        flags = cpu_flags()
+        plan = make_plan(n, self.kind.shares(profile), self.config,
+                         slot_tasks=lambda slot: self.kind.slot_tasks(slot, flags), gains=self._gains(n))  # fmt: skip
         self.dir.plans.write(n, plan.to_dict())
         for s in plan.searches:
             self._event("planned", round=n, slot=s.slot, task=s.task, evals=s.evals, why=s.why)
@@ -215,7 +215,7 @@ class Factory:
         target = self._target(task, n)  # from the plans: a search resumed after a crash gets no more
         config = self.dir.run_config(task)
         if not exists:  # a resumed run keeps the config it started with; only its budget grows
-            self.dir.write_run_config(task, kernel_run_config(task, self.config, self._model_config(), target))
+            self.dir.write_run_config(task, self.kind.kernel_run_config(task, target))
         self.note(f"kernel search {task}: {evals} evaluations (to {target} in all)")
         return self._start(config, run_dir, max_evals=target), before
 
@@ -242,7 +242,7 @@ class Factory:
         if not config.exists():
             tasks = set(self.dir.kernel_tasks()) | {s.task for s in plan.searches}
             kernel_runs = {t: self.dir.run_dir(t) for t in sorted(tasks)}
-            self.dir.write_run_config(name, engine_run_config(self.config, kernel_runs))
+            self.dir.write_run_config(name, self.kind.engine_run_config(kernel_runs))
         return config
 
     def _offers(self, run_dir: Path) -> list[dict[str, Any]]:
@@ -269,15 +269,13 @@ class Factory:
         p = self.config.promote
         self.note(f"duel round {n}: {ids[0][:12]} against the {'incumbent' if incumbent else 'default engine'}")
         result = self.measurer.duel(candidate, incumbent)
-        m = result.metrics
-        c: dict[str, Any] = {k: m[k] for k in ("similarity", "throughput", "p99_ms", "rounds") if k in m}
-        i: dict[str, Any] = {k: m[f"rival_{k}"] for k in ("similarity", "throughput", "p99_ms", "rounds")
-                             if f"rival_{k}" in m}  # fmt: skip
-        budget = self.config.load.p99_budget_ms
+        m, unit = result.metrics, self.kind.unit
+        c, i = self.kind.figures(m), self.kind.figures(m, "rival_")
+        budget = self.kind.p99_budget_ms
         gain = c["throughput"] / i["throughput"] - 1 if i.get("throughput") else float("inf")
         if result.status != Status.OK:
-            if "similarity" in result.metrics and result.status == Status.WRONG:
-                why = f"min cosine {m['similarity']:.5f} on held-out texts is under the floor {p.similarity_floor}"
+            if result.status == Status.WRONG and (c.keys() - {"throughput", "p99_ms", "rounds"}):
+                why = self.kind.under_floor(result)
             else:
                 why = f"the candidate lost its duel: {_failure(result)}"
         elif c["p99_ms"] > budget:
@@ -285,24 +283,26 @@ class Factory:
         elif m.get("rival_failed"):
             why = ""  # the incumbent broke a rule: the candidate, which held every one, replaces it
         elif gain <= p.min_gain:
-            why = f"{c['throughput']:.1f} sentences/s against the incumbent's {i['throughput']:.1f} ({gain:+.1%})"
+            why = f"{c['throughput']:.1f} {unit} against the incumbent's {i['throughput']:.1f} ({gain:+.1%})"
         else:
             why = ""
         promoted = not why
+        fidelity = {k: v for k, v in c.items() if k not in ("throughput", "p99_ms", "ttft_p99_ms", "rounds")}
         if promoted and m.get("rival_failed"):
             reason = f"the incumbent failed its duel ({m['rival_failed'][:300]}); p99 {c['p99_ms']:.1f} ms"
         elif promoted:
-            reason = (f"{gain:+.1%} against the incumbent side by side, p99 {c['p99_ms']:.1f} ms, min cosine "
-                      f"{c['similarity']:.5f} on {p.held_out_texts} held-out texts")  # fmt: skip
+            reason = (f"{gain:+.1%} against the incumbent side by side, p99 {c['p99_ms']:.1f} ms, "
+                      f"{self.kind.fidelity_text(fidelity)} on {p.held_out_texts} held-out texts")  # fmt: skip
         else:
             reason = why
         record = {"round": n, "promoted": promoted, "engines": {"candidate": candidate, "incumbent": incumbent},
-                  "figures": {"candidate": c, "incumbent": i}, "gain": gain if i.get("throughput") else None,
-                  "status": str(result.status), "why": reason}  # fmt: skip
+                  "figures": {"candidate": c, "incumbent": i}, "unit": unit,
+                  "gain": gain if i.get("throughput") else None, "status": str(result.status),
+                  "why": reason}  # fmt: skip
         self.dir.duels.write(n, record)
         if promoted:
             entry = {"round": n, "run_dir": str(engine_run), "elite": ids[0], "throughput": c["throughput"],
-                     "p99_ms": c["p99_ms"], "similarity": c["similarity"], "gain": record["gain"],
+                     "unit": unit, "p99_ms": c["p99_ms"], **fidelity, "gain": record["gain"],
                      "at": time.time()}  # fmt: skip
             self.dir.add_promotion(entry)
         self._event("promoted" if promoted else "not promoted", round=n, engine=candidate, why=reason)
@@ -313,14 +313,6 @@ class Factory:
         """The last promoted engine (``None``: none yet, the default configuration)."""
         last = self.dir.latest_promotion()
         return {"run_dir": last["run_dir"], "elite": last["elite"]} if last else None
-
-    def _model_config(self) -> Any:
-        from runtime.engine.model import ModelLoadError, default_model_dir, read_config
-
-        try:
-            return read_config(Path(self.config.model_dir) if self.config.model_dir else default_model_dir())
-        except (ModelLoadError, RuntimeError) as exc:
-            raise UserError(f"model_dir: {exc}") from None
 
     def _start(self, config: Path, run_dir: Path, *, max_evals: int, confirm: bool = True) -> _SearchProcess:
         """``evo run`` of ``config`` in ``run_dir`` (resumed if it exists) up to ``max_evals``, started."""

@@ -198,12 +198,20 @@ def _duel_of(log: FactoryLog, event: dict[str, Any]) -> dict[str, Any]:
     return log.duels.get(n, {}) if isinstance(n, int) else {}
 
 
+def _measures(log: FactoryLog) -> tuple[str, str, str]:
+    """The factory's throughput unit, and its engines' fidelity figure and what to call it: a chat model's
+    (``model:`` in its config) tokens/s and top-1 agreement, a sentence encoder's sentences/s and min cosine."""
+    if log.config.get("model"):
+        return "tokens/s", "top1", "top-1"
+    return "sentences/s", "similarity", "min cosine"
+
+
 def _figures(duel: dict[str, Any], side: str) -> dict[str, Any]:
     return _dict(_dict(duel.get("figures")).get(side))
 
 
 def served(log: FactoryLog) -> bytes | None:
-    """The served engine's sentences/s against time: the first duel's incumbent from the start, then each
+    """The served engine's throughput against time: the first duel's incumbent from the start, then each
     promotion's figure from when it landed; duels that promoted nothing as crosses."""
     first = next(iter(log.duels.values()), {})
     start = _figures(first, "incumbent").get("throughput")
@@ -225,7 +233,7 @@ def served(log: FactoryLog) -> bytes | None:
         ax.scatter([(t - t0) / scale for t, _ in rejected], [v for _, v in rejected], marker="X", color=_REJECTED,
                    zorder=3, label="not promoted")  # fmt: skip
     ax.set_xlabel(f"time since the factory started ({unit})")
-    ax.set_ylabel("sentences/s")
+    ax.set_ylabel(_measures(log)[0])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("the served engine's throughput")
@@ -241,7 +249,7 @@ def build(path: Path) -> Report:
     log = read_factory(path)
     report = Report(title=f"evoforge factory {log.config.get('name') or path.resolve().name}", marker=mark)
     body = report.figure("timeline", timeline(log), "factory timeline")
-    body += report.figure("served", served(log), "the served engine's sentences/s over time")
+    body += report.figure("served", served(log), f"the served engine's {_measures(log)[0]} over time")
     report.sections += [_summary(log), Section("timeline", "Timeline", body), _profiles(log), _searches(log),
                         _duels(log), _decisions(log), _runs(log)]  # fmt: skip
     return report
@@ -263,7 +271,7 @@ def _engine(v: Any) -> str:
 
 def _summary(log: FactoryLog) -> Section:
     last = log.promotions[-1] if log.promotions else None
-    now = (f"{_engine(last)}: {last.get('throughput')} sentences/s (round {last.get('round')})" if last
+    now = (f"{_engine(last)}: {last.get('throughput')} {_measures(log)[0]} (round {last.get('round')})" if last
            else "the default configuration (nothing promoted yet)")  # fmt: skip
     decided = log.events[-1] if log.events else {}
     rows = [("directory", str(log.path)), ("rounds profiled", len(log.profiles)), ("rounds duelled", len(log.duels)),
@@ -309,19 +317,20 @@ def _value(v: Any, unit: str) -> str | None:
 
 
 def _duels(log: FactoryLog) -> Section:
+    unit, key, label = _measures(log)
     rows = []
     for n, d in log.duels.items():
         c, i = _figures(d, "candidate"), _figures(d, "incumbent")
         rows.append((n, "yes" if d.get("promoted") is True else "no", _pct(d.get("gain")), c.get("throughput"),
-                     c.get("p99_ms"), c.get("similarity"), i.get("throughput"), i.get("p99_ms"),
+                     c.get("p99_ms"), c.get(key), i.get("throughput"), i.get("p99_ms"),
                      d.get("why")))  # fmt: skip
-    head = ("round", "promoted", "gain", "sentences/s", "p99 (ms)", "min cosine", "incumbent's sentences/s",
-            "incumbent's p99 (ms)", "why")  # fmt: skip
+    head = ("round", "promoted", "gain", unit, "p99 (ms)", label, f"incumbent's {unit}", "incumbent's p99 (ms)",
+            "why")  # fmt: skip
     body = table(head, rows) if rows else '<p class="none">no duel yet.</p>'
-    promoted = [(p.get("round"), _engine(p), p.get("throughput"), p.get("p99_ms"), p.get("similarity"),
+    promoted = [(p.get("round"), _engine(p), p.get("throughput"), p.get("p99_ms"), p.get(key),
                  _pct(p.get("gain")), _when(p.get("at"))) for p in log.promotions]  # fmt: skip
-    body += "<h3>Promotions</h3>" + (table(("round", "engine", "sentences/s", "p99 (ms)", "min cosine", "gain",
-                                             "when"), promoted) if promoted
+    body += "<h3>Promotions</h3>" + (table(("round", "engine", unit, "p99 (ms)", label, "gain", "when"), promoted)
+                                     if promoted
                                      else '<p class="none">nothing promoted yet.</p>')  # fmt: skip
     return Section("duels", "Duels and promotions", body)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -81,11 +81,12 @@ def parse_mix(text: str) -> tuple[str, dict[str, str]]:
     return precision, matrices
 
 
-def linear_task(precision: str) -> str:
-    """The linear-slot task that runs ``precision``'s GEMMs on this CPU (as :mod:`runtime.isa` shows it)."""
+def linear_task(precision: str, flags: Collection[str] | None = None) -> str:
+    """The linear-slot task that runs ``precision``'s GEMMs on a CPU with ``flags`` (default this one, as
+    :mod:`runtime.isa` shows it)."""
     if precision not in _TASKS:
         raise DecoderKernelError(f"no precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-    flags, needs = cpu_flags(), []
+    flags, needs = cpu_flags() if flags is None else flags, []
     for name in _TASKS[precision]:
         spec = load_task_class(name).slot
         assert spec is not None

@@ -228,16 +228,16 @@ def _host(listener: socket.socket, model: DecoderModel, model_id: str, order: di
 
 def confined_decoder(listener: socket.socket | None, model: DecoderModel, engine: ChatEngine,
                      built: Mapping[str, KernelSource], *, filters: dict[str, bytes] | None, cache_dir: str,
-                     compiler: CompilerSettings) -> Decoder:  # fmt: skip
+                     compiler: CompilerSettings, keep: tuple[int, ...] = ()) -> Decoder:  # fmt: skip
     """``engine`` built in this process (a fresh fork), confined as the module docstring says: every descriptor but
-    the standard ones, ``listener`` and the cache closed; its kernels ``built`` (each compiled into ``cache_dir``
-    already) loaded under the filter (``filters``: :func:`runtime.sandbox.filters.compiled_filters`'; ``None``:
-    none on this machine) and run once, then no new code."""
+    the standard ones, ``listener``, the cache and ``keep`` closed; its kernels ``built`` (each compiled into
+    ``cache_dir`` already) loaded under the filter (``filters``: :func:`runtime.sandbox.filters.compiled_filters`';
+    ``None``: none on this machine) and run once, then no new code."""
     prefix = "/proc/self/fd/"
     cache_fd = int(cache_dir[len(prefix) :].split("/")[0]) if cache_dir.startswith(prefix) else None
-    keep = {0, 1, 2, cache_fd, listener.fileno() if listener is not None else None}
+    kept = {0, 1, 2, cache_fd, listener.fileno() if listener is not None else None, *keep}
     for fd in sorted(int(f) for f in os.listdir("/proc/self/fd")):  # nothing of the parent's: its lock, its pipes
-        if fd not in keep:
+        if fd not in kept:
             with contextlib.suppress(OSError):
                 os.close(fd)
     make_undumpable()
@@ -257,15 +257,19 @@ def confined_decoder(listener: socket.socket | None, model: DecoderModel, engine
 def serve_confined(listener: socket.socket, model: DecoderModel, model_ids: tuple[str, ...], engine: ChatEngine,
                    built: Mapping[str, KernelSource], *, filters: dict[str, bytes] | None, cache_dir: str,
                    compiler: CompilerSettings, budgets: SchedulerConfig, api_key: str | None = None,
-                   limits: Limits | None = None, drain_timeout: float | None = None) -> None:  # fmt: skip
+                   limits: Limits | None = None, drain_timeout: float | None = None,
+                   ready_fd: int | None = None) -> None:  # fmt: skip
     """Serves ``engine`` on ``listener`` in this process (a fresh fork) until SIGTERM or SIGINT, then drains:
-    built by :func:`confined_decoder`. Engine swaps (``POST /admin/engine``) are refused: they would compile."""
+    built by :func:`confined_decoder`; writes ``R`` to ``ready_fd`` once it serves. Engine swaps
+    (``POST /admin/engine``) are refused: they would compile."""
+    import threading
+
     import uvicorn
 
     from serving._chat_app import create_chat_app
 
     decoder = confined_decoder(listener, model, engine, built, filters=filters, cache_dir=cache_dir,
-                               compiler=compiler)  # fmt: skip
+                               compiler=compiler, keep=(ready_fd,) if ready_fd is not None else ())  # fmt: skip
     app = create_chat_app(model, engine, decoder=decoder, model_ids=model_ids, budgets=budgets, api_key=api_key,
                           limits=limits, swaps=False)  # fmt: skip
     config = uvicorn.Config(app, fd=listener.fileno(), log_level="warning", access_log=False, lifespan="on",
@@ -276,6 +280,16 @@ def serve_confined(listener: socket.socket, model: DecoderModel, model_ids: tupl
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, server.handle_exit)
+    if ready_fd is not None:
+
+        def say_ready() -> None:
+            while not server.started and not server.should_exit:
+                time.sleep(0.01)
+            with contextlib.suppress(OSError):
+                os.write(ready_fd, b"R" if server.started else b"X")
+                os.close(ready_fd)
+
+        threading.Thread(target=say_ready, name="evoforge-ready", daemon=True).start()
     server.run()
 
 

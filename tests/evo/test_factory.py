@@ -16,7 +16,8 @@ import yaml
 from factory_testlib import evo
 
 from evo.factory.config import FactoryConfig
-from evo.factory.plan import make_plan
+from evo.factory.plan import make_plan as plan_by_shares
+from evo.factory.plan import slot_tasks_for
 from runtime.engine.profile import Profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +33,12 @@ def _profile(**seconds: float) -> Profile:
     rest = seconds.get("other", 0.0)
     return Profile(texts=8, tokens=80, batches=1, total_s=sum(slots.values()) + rest, tokenize_s=0.0, slots=slots,
                    gemms={}, attention_s=0.0, other_s=rest)  # fmt: skip
+
+
+def make_plan(n, profile, config, *, cpu_flags, hidden, intermediate, gains=None):
+    """The plan of an encoder's factory of ``hidden`` and ``intermediate`` sizes, on a CPU with ``cpu_flags``."""
+    return plan_by_shares(n, profile.shares(), config, gains=gains,
+                          slot_tasks=lambda slot: slot_tasks_for(slot, cpu_flags, hidden, intermediate))
 
 
 def test_the_plan_follows_what_each_slot_could_save():
