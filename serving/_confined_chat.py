@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import select
@@ -44,6 +45,7 @@ class Engine:
     kernels: Mapping[str, Any]  # slot -> runtime.engine.kernel_runs.KernelSource
     what: str
     source: tuple[str, str] | None = None  # (run_dir, elite) where it came from a factory's promotion
+    round: int | None = None  # that promotion's round
 
 
 class ConfinedChatServer:
@@ -179,7 +181,7 @@ def follow_promotions(factory_dir: Path, engine_of: Callable[[str, str], Engine]
         if (now is not None and now.source == key) or key in tried:
             return None
         tried.add(key)  # a failed one is not retried in a loop
-        return engine_of(*key)
+        return dataclasses.replace(engine_of(*key), round=latest.get("round"))
 
     return poll
 
@@ -188,8 +190,8 @@ def record_swap(factory_dir: Path, engine: Engine, error: str | None, seconds: f
     """Appends one swap (or a failed one and why) to the factory's swaps (a ``swapped`` for
     :meth:`ConfinedChatServer.run`, its first argument bound)."""
     run_dir, elite = engine.source or ("", "")
-    record: dict[str, Any] = {"run_dir": run_dir, "elite": elite, "ok": error is None, "at": time.time(),
-                              "swap_s": seconds}  # fmt: skip
+    record: dict[str, Any] = {"round": engine.round, "run_dir": run_dir, "elite": elite, "ok": error is None,
+                              "at": time.time(), "swap_s": seconds}  # fmt: skip
     if error is not None:
         record["error"] = error
     FactoryDir(factory_dir).add_swap(record)

@@ -1,0 +1,133 @@
+"""The factory on a chat model: a tiny random-weight GGUF goes through profile (in a confined host), plan (the
+decoder's slots), kernel searches at its decode shapes, the chat engine search following them, the duel and the
+promotion; `evo serve --follow` serves the promotion from a confined process and swaps to the next one while
+streams run, none failed or cut."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from factory_testlib import evo
+from gguf_models import Shape, train_vocabulary, write_random_gguf
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "serving"))  # serve_helpers
+
+pytest.importorskip("uvicorn")
+pytestmark = pytest.mark.xdist_group("chat-factory")
+
+
+@pytest.fixture(scope="module")
+def chat_factory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("chat-factory")
+    sentences = [s for s in (ROOT / "tests" / "data" / "sentences.txt").read_text().splitlines() if s.strip()]
+    write_random_gguf(root / "tiny-chat.gguf", train_vocabulary(sentences), shape=Shape(context=512))
+    config = {
+        "model": "tiny-chat.gguf",
+        "load": {"threads": 2, "streams": 2, "requests": 2, "prompt_tokens": [8, 40], "max_tokens": 12},
+        "budget": {"rounds": 1, "kernel_evals": 8, "engine_evals": 4, "engine_after_kernels": 2, "min_evals": 2,
+                   "confirm_repeats": 0},
+        "plan": {"min_share": 0.0, "precisions": ["fp32"]},
+        "promote": {"held_out_texts": 2, "rounds": 1, "min_gain": -0.9},
+    }  # fmt: skip
+    (root / "chat-factory.yaml").write_text(yaml.safe_dump(config))
+    got = evo("factory", "chat-factory.yaml", "--dir", "fac", cwd=root)
+    assert got.returncode == 0, got.stderr[-3000:]
+    return root / "fac"
+
+
+def test_a_chat_factory_profiles_plans_searches_and_promotes(chat_factory: Path) -> None:
+    profile = json.loads((chat_factory / "profiles" / "round-1.json").read_text())
+    assert {"attention", "rmsnorm", "linear qkv", "lm_head", "sampling and scheduling"} <= set(profile["shares"])
+    assert profile["output_tokens"] == profile["requests"] * 12
+    plan = json.loads((chat_factory / "plans" / "round-1.json").read_text())
+    assert {(s["slot"], s["task"]) for s in plan["searches"]} == {("linear", "linear_f32"),
+                                                                  ("attention", "attention_decode"),
+                                                                  ("rmsnorm", "rmsnorm")}  # fmt: skip
+    kernel = yaml.safe_load((chat_factory / "configs" / "attention_decode.yaml").read_text())
+    assert kernel["task"]["args"]["batch"] == 2 and kernel["task"]["args"]["head_dim"] > 0  # the decode shapes
+    engine = yaml.safe_load((chat_factory / "configs" / "engine-r1.yaml").read_text())
+    assert engine["task"]["name"] == "chat_engine" and set(engine["task"]["args"]["kernels"]) == {
+        "linear", "attention", "rmsnorm"}
+    events = [json.loads(line) for line in (chat_factory / "events.jsonl").read_text().splitlines()]
+    searched = next(e for e in events if e["event"] == "searched" and e["task"] == "engine")
+    assert {o["slot"] for o in searched["offered"]} == {"linear", "attention", "rmsnorm"}
+    duel = json.loads((chat_factory / "duels" / "round-1.json").read_text())
+    c = duel["figures"]["candidate"]
+    assert duel["unit"] == "tokens/s" and c["throughput"] > 0 and c["top1"] == 1.0 and c["kl"] < 1e-6, duel
+    assert duel["promoted"] is True and duel["engines"]["incumbent"] is None, duel["why"]
+    status = evo("factory", "status", str(chat_factory), cwd=chat_factory)
+    assert status.returncode == 0 and "tokens/s" in status.stdout, status.stderr
+
+
+def _stream(port: int, out: list[tuple[int, int, bool]], stop: threading.Event) -> None:
+    """Streams greedy chat answers until ``stop``: each one's status, tokens counted and whether it ended."""
+    body = json.dumps({"messages": [{"role": "user", "content": "a question under load"}], "max_tokens": 24,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})  # fmt: skip
+    while not stop.is_set():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            tokens, done = 0, False
+            while line := resp.readline():
+                if line.strip() == b"data: [DONE]":
+                    done = True
+                elif line.startswith(b"data: ") and (usage := json.loads(line[6:]).get("usage")):
+                    tokens = usage["completion_tokens"]
+            out.append((resp.status, tokens, done))
+        except OSError:
+            out.append((0, 0, False))
+        finally:
+            conn.close()
+
+
+def test_serve_follow_swaps_chat_engines_without_a_cut_stream(chat_factory: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from serve_helpers import start_server, stop
+
+    from archive import Store
+
+    factory = Path(shutil.copytree(chat_factory, tmp_path / "fac"))  # a copy to promote in: the fixture is shared
+    first = json.loads((factory / "promotions.jsonl").read_text().splitlines()[0])
+    with Store(first["run_dir"], readonly=True) as store:
+        other = next(c for c in store.best(10) if c.id != first["elite"])
+    srv = start_server(None, "--follow", str(factory))
+    port = int(srv.url.rsplit(":", 1)[1])
+    answers: list[tuple[int, int, bool]] = []
+    halt = threading.Event()
+    clients = [threading.Thread(target=_stream, args=(port, answers, halt)) for _ in range(2)]
+    try:
+        served = srv.call("GET", "/ready")[1]["engine"]
+        for t in clients:
+            t.start()
+        time.sleep(1.0)
+        with (factory / "promotions.jsonl").open("a") as f:  # the factory's next promotion
+            f.write(json.dumps({**first, "round": 2, "elite": other.id, "at": time.time()}) + "\n")
+        deadline = time.monotonic() + 120
+        while (after := srv.call("GET", "/ready")[1]["engine"]) == served:
+            assert time.monotonic() < deadline, "never swapped to the new promotion"
+            time.sleep(0.2)
+        time.sleep(1.0)
+    finally:
+        halt.set()
+        for t in clients:
+            if t.ident is not None:
+                t.join(90)
+        code = stop(srv)
+    assert code == 0
+    params = other.genome.params
+    assert after == {**{k: v for k, v in params.items() if not k.startswith("kernel_")},
+                     "kernels": {k.removeprefix("kernel_"): v for k, v in params.items()
+                                 if k.startswith("kernel_") and v != "numpy"}}  # fmt: skip
+    assert len(answers) >= 4 and all(a == (200, 24, True) for a in answers), answers
+    swaps = [json.loads(line) for line in (factory / "swaps.jsonl").read_text().splitlines()]
+    assert swaps[-1]["elite"] == other.id and swaps[-1]["ok"] is True and swaps[-1]["round"] == 2, swaps
