@@ -17,7 +17,9 @@ token), ITL p50/p99 (gap between successive streamed tokens), the server's peak 
 together), and the ratios to llama-server (> 1: ours more tokens/s; < 1: ours a shorter p99 ITL).
 
 Contestants: ``evo serve --gguf`` once per ``--linear`` (numpy: fp32 weights on BLAS; int8: the linear slot's C
-kernel; see ``evo serve --help``) and per ``--ours`` (its flags as given), and ``llama-server`` with
+kernel; see ``evo serve --help``) and per ``--ours`` (its flags as given), ``evo serve`` of each ``--served`` run
+or factory (e.g. ``follow:factories/factory_smollm2``: its promoted engine, evolved kernels in a confined
+process, on the threads its engine was searched with), and ``llama-server`` with
 ``--parallel`` equal to the streams (continuous batching, its default), the file's own quantised types, a
 context of the streams' sum, and its threads set to the same count. Build llama-server from the
 ``llama-cpp-python`` sdist's vendored llama.cpp with ``bench/build_llama_server.sh``.
@@ -130,6 +132,16 @@ def load(server: Server, texts: list[str], streams: int, max_tokens: int) -> dic
 
 NOTES: dict[str, str] = {}
 OURS: dict[str, list[str]] = {}  # each evo serve contestant's name: its flags
+SERVED: dict[str, list[str]] = {}  # each evo serve contestant of a run or a factory: what evo serve is given
+
+
+def served_args(what: str) -> list[str]:
+    """``evo serve``'s arguments for a ``--served`` contestant: ``RUN_DIR``, ``RUN_DIR:ELITE`` or
+    ``follow:FACTORY_DIR``."""
+    if what.startswith("follow:"):
+        return ["--follow", what.removeprefix("follow:")]
+    run_dir, _, elite = what.partition(":")
+    return [run_dir, *(["--elite", elite] if elite else [])]
 
 
 def start(name: str, args: argparse.Namespace, log_dir: Path) -> Server:
@@ -152,6 +164,8 @@ def _start(name: str, args: argparse.Namespace, log_dir: Path, *, no_repack: boo
         cmd = [args.llama_server, "-m", str(args.model), "--port", str(port), "--host", "127.0.0.1", "-t", threads,
                "-tb", threads, "--parallel", str(args.streams), "-c", str(ctx), "--no-webui"]  # fmt: skip
         cmd += ["--no-repack"] if no_repack else []
+    elif name in SERVED:  # its engine's own settings (its threads among them): nothing added
+        cmd = [sys.executable, "-m", "evo", "serve", *SERVED[name], "--port", str(port)]
     else:
         cmd = [sys.executable, "-m", "evo", "serve", "--gguf", str(args.model), "--port", str(port), "--threads",
                threads, *OURS[name]]  # fmt: skip
@@ -169,6 +183,9 @@ def main() -> None:
                     help="evo serve contestants, by --linear (none: only those of --ours)")
     ap.add_argument("--ours", nargs="+", default=[], metavar="FLAGS",
                     help="more evo serve contestants, each by its flags (e.g. '--linear int8 --kv-dtype f16')")
+    ap.add_argument("--served", nargs="+", default=[], metavar="WHAT",
+                    help="more evo serve contestants, each what evo serve serves: a run directory (its best "
+                         "engine), RUN_DIR:ELITE, or follow:FACTORY_DIR (its latest promotion)")  # fmt: skip
     ap.add_argument("--step-tokens", type=int, default=None, help="evo serve's --step-tokens (default: its own)")
     ap.add_argument("--kv-dtype", default=None, help="evo serve's --kv-dtype (default: its own)")
     ap.add_argument("--streams", type=int, default=8, help="concurrent chat clients")
@@ -184,7 +201,9 @@ def main() -> None:
         sys.exit("error: no llama-server: build it with bench/build_llama_server.sh and give --llama-server PATH")
     for flags in [f"--linear {x}" for x in args.linear] + args.ours:
         OURS[f"evo serve ({flags})"] = flags.split()
-    names = [*OURS, LLAMA]
+    for what in args.served:
+        SERVED[f"evo serve {what}"] = served_args(what)
+    names = [*OURS, *SERVED, LLAMA]
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "chat_vs_llama_server"
     log_dir.mkdir(exist_ok=True)
     per_round = args.streams * args.requests

@@ -177,26 +177,28 @@ class ChatKind(ModelKind):
         return tasks, "; ".join(reasons)
 
     def kernel_run_config(self, task: str, max_evals: int) -> dict[str, Any]:
-        """Each task at the shapes of the load's decode steps: a step of ``streams`` sequences through the gated
-        MLP's up GEMM (the largest), the attention of that many sequences over up to 512 cached positions, and
-        RMSNorm of that many rows."""
+        """Each task at the shapes of the load's decode steps, on the threads the engine runs it on: a step of
+        ``streams`` sequences through the gated MLP's up GEMM (the largest), the attention of that many sequences
+        over up to 512 cached positions, and RMSNorm of that many rows."""
         from runtime.task import load_task_class
         from runtime.tasks._linear import LinearTask
 
         cfg, load = self._model(), self.config.load
-        rows = load.streams  # type: ignore[union-attr]
-        if task == "attention_decode":
+        rows, team = load.streams, load.threads  # type: ignore[union-attr]
+        if task == "attention_decode":  # on the engine's team of threads, as the engine runs it
             args = {"batch": rows, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                    "length": min(512, cfg.context), "window": 0}  # fmt: skip
+                    "length": min(512, cfg.context), "window": 0, "threads": team}  # fmt: skip
             descriptors, bins = ["key_block"], [6]
-        elif task == "rmsnorm":
-            args, descriptors, bins = {"rows": rows, "cols": cfg.hidden, "eps": cfg.eps}, ["vector_width"], [4]
+        elif task == "rmsnorm":  # one thread, as the engine runs it
+            args = {"rows": rows, "cols": cfg.hidden, "eps": cfg.eps, "threads": 1}
+            descriptors, bins = ["vector_width"], [4]
         elif issubclass(cls := load_task_class(task), LinearTask):
-            args, descriptors, bins = {"m": rows, "k": cfg.hidden, "n": 2 * cfg.intermediate}, [cls.block[0]], [4]
+            args = {"m": rows, "k": cfg.hidden, "n": 2 * cfg.intermediate, "threads": team}
+            descriptors, bins = [cls.block[0]], [4]
         else:
             raise ValueError(f"the factory has no kernel search for task {task!r} of a chat model")
         return {
-            "task": {"name": task, "args": {**args, "threads": 1}},
+            "task": {"name": task, "args": args},
             "search": {"seed": self.config.seed, "initial_random": 8,
                        "confirm": {"repeats": self.config.budget.confirm_repeats}},
             "budget": {"max_evals": max_evals},
@@ -220,6 +222,8 @@ class ChatKind(ModelKind):
             "search": {"seed": self.config.seed, "initial_random": 4,
                        "confirm": {"repeats": self.config.budget.confirm_repeats}},
             "budget": {"max_evals": self.config.budget.engine_evals},
+            "evaluation": {"sandbox": {"timeout": 300 + 3 * self.load_seconds(), "memory_mb": 8192,
+                                       "cpu_seconds": int((300 + 3 * self.load_seconds()) * load.threads)}},
             "archive": {"descriptors": ["itl_p99_ms", "memory_mb"], "bins": [4, 4],
                         "ranges": [[0, load.itl_p99_budget_ms], [0, 4096]]},  # type: ignore[union-attr]
             "execution": self.config.execution.model_dump(mode="json"),
