@@ -77,22 +77,22 @@ class PlanConfig(_Model):
                                                       "not searched again")  # fmt: skip
 
 
-class PromoteConfig(_Model):
-    held_out_texts: int = Field(64, ge=8, description="texts the searches never saw, for the similarity check")
-    similarity_floor: float = Field(0.99, gt=0, le=1, description="min cosine to the fp32 engine on them")
+class _DuelConfig(_Model):
     rounds: int = Field(3, ge=1, description="alternating load rounds of the candidate and the incumbent")
-    duration_s: float = Field(4.0, gt=0, description="measured seconds of each of those rounds")
     min_gain: float = Field(0.0, ge=-1, description="promoted only when faster than the incumbent by more than this "
                                                   "(relative; below 0 accepts a loss that small)")
 
 
-class ChatPromoteConfig(_Model):
+class PromoteConfig(_DuelConfig):
+    held_out_texts: int = Field(64, ge=8, description="texts the searches never saw, for the similarity check")
+    similarity_floor: float = Field(0.99, gt=0, le=1, description="min cosine to the fp32 engine on them")
+    duration_s: float = Field(4.0, gt=0, description="measured seconds of each of those rounds")
+
+
+class ChatPromoteConfig(_DuelConfig):
     held_out_texts: int = Field(8, ge=1, description="texts the searches never check, for the fidelity check")
     top1_floor: float = Field(0.95, gt=0, le=1, description="top-1 agreement with the fp32 engine, at least")
     kl_floor: float = Field(0.01, ge=0, description="mean KL divergence from the fp32 engine (nats), at most")
-    rounds: int = Field(3, ge=1, description="alternating load rounds of the candidate and the incumbent")
-    min_gain: float = Field(0.0, ge=-1, description="promoted only when faster than the incumbent by more than this "
-                                                  "(relative; below 0 accepts a loss that small)")
 
 
 class FactoryConfig(_Model):
@@ -113,13 +113,25 @@ class FactoryConfig(_Model):
     @model_validator(mode="before")
     @classmethod
     def _kind(cls, raw: Any) -> Any:
-        """A chat model's load and promotion are a chat engine's; ``model`` and ``model_dir`` exclude each other."""
-        if not isinstance(raw, dict) or raw.get("model") is None:
+        """``load`` and ``promote`` are the model kind's: a chat model's (``model``) or a sentence encoder's;
+        ``model`` and ``model_dir`` exclude each other."""
+        if not isinstance(raw, dict):
             return raw
-        if raw.get("model_dir") is not None:
+        chat = raw.get("model") is not None
+        if chat and raw.get("model_dir") is not None:
             raise ValueError("give model (a GGUF chat model) or model_dir (a sentence encoder), not both")
-        return {**raw, "load": ChatLoadConfig.model_validate(raw.get("load") or {}),
-                "promote": ChatPromoteConfig.model_validate(raw.get("promote") or {})}  # fmt: skip
+        out = dict(raw)
+        kinds = (("load", ChatLoadConfig), ("promote", ChatPromoteConfig)) if chat else \
+            (("load", LoadConfig), ("promote", PromoteConfig))  # fmt: skip
+        for key, kind in kinds:
+            try:
+                out[key] = kind.model_validate(raw.get(key) or {})
+            except ValidationError as exc:  # said with its place: this runs before the fields are validated
+                first = exc.errors()[0]
+                whose = "a chat model's" if chat else "a sentence encoder's (a chat model's: give model)"
+                raise ValueError(f"{key}.{'.'.join(str(p) for p in first['loc'])}: {first['msg']} "
+                                 f"({whose})") from None  # fmt: skip
+        return out
 
     @property
     def chat(self) -> bool:
@@ -143,8 +155,9 @@ def load_factory_config(path: Path) -> FactoryConfig:
         config = FactoryConfig.model_validate(raw or {})
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise UserError(f"{path}: {where}: {first['msg']}") from None
+        if not first["loc"]:  # a check of the whole config, which names its own place
+            raise UserError(f"{path}: {first['msg'].removeprefix('Value error, ')}") from None
+        raise UserError(f"{path}: {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
     if config.model_dir is not None and not Path(config.model_dir).is_absolute():
         config = config.model_copy(update={"model_dir": str(Path(config.model_dir).resolve())})  # as evo run: cwd
     from runtime.decoder.models import MODELS

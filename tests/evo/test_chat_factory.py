@@ -131,3 +131,17 @@ def test_serve_follow_swaps_chat_engines_without_a_cut_stream(chat_factory: Path
     assert len(answers) >= 4 and all(a == (200, 24, True) for a in answers), answers
     swaps = [json.loads(line) for line in (factory / "swaps.jsonl").read_text().splitlines()]
     assert swaps[-1]["elite"] == other.id and swaps[-1]["ok"] is True and swaps[-1]["round"] == 2, swaps
+
+
+@pytest.mark.parametrize(("config", "says"), [
+    ({"model": "nowhere.gguf"}, "model: "),
+    ({"model": "smollm2", "model_dir": "tiny-bert"}, "give model (a GGUF chat model) or model_dir"),
+    ({"model": "smollm2", "load": {"concurrency": 8}}, "load.concurrency"),
+    ({"load": {"streams": 8}}, "load.streams: Extra inputs are not permitted (a sentence encoder's"),
+])  # fmt: skip
+def test_a_chat_factory_config_a_user_got_wrong_is_one_line(tmp_path: Path, config: dict, says: str) -> None:
+    (tmp_path / "f.yaml").write_text(yaml.safe_dump(config))
+    got = evo("factory", "f.yaml", "--dir", "fac", cwd=tmp_path, timeout=120)
+    assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
+    assert len(got.stderr.strip().splitlines()) == 1 and says in got.stderr, got.stderr
+    assert not (tmp_path / "fac").exists()
