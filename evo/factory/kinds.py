@@ -202,6 +202,8 @@ class ChatKind(ModelKind):
             "search": {"seed": self.config.seed, "initial_random": 8,
                        "confirm": {"repeats": self.config.budget.confirm_repeats}},
             "budget": {"max_evals": max_evals},
+            # its timings wait for the engine search's loads, which hold the machine a load at a time
+            "evaluation": {"sandbox": {"timeout": 120 + 2 * self.load_seconds()}},
             "archive": {"kind": "grid", "descriptors": descriptors, "bins": bins[0]},
             "execution": self.config.execution.model_dump(mode="json"),
         }  # fmt: skip
@@ -219,7 +221,7 @@ class ChatKind(ModelKind):
                                                      "precisions": list(self.config.plan.precisions),
                                                      "kernels": {s: r[0] if len(r) == 1 else r
                                                                  for s, r in by_slot.items()}}},
-            "search": {"seed": self.config.seed, "initial_random": 4,
+            "search": {"seed": self.config.seed, "initial_random": 4, "workers": 1,  # a load uses every core
                        "confirm": {"repeats": self.config.budget.confirm_repeats}},
             "budget": {"max_evals": self.config.budget.engine_evals},
             "evaluation": {"sandbox": {"timeout": 300 + 3 * self.load_seconds(), "memory_mb": 8192,

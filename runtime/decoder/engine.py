@@ -34,6 +34,7 @@ from runtime.decoder.model import DecoderModel
 from runtime.decoder.ops import DecoderOps
 from runtime.decoder.scheduler import SchedulerConfig
 from runtime.engine.kernel_runs import KernelSource
+from runtime.hardware import cpu_flags
 from runtime.settings import CompilerSettings
 from runtime.task import load_task_class
 from runtime.toolchain.cc import compile_source
@@ -156,6 +157,10 @@ def libraries(engine: ChatEngine, kernels: Mapping[str, KernelSource] | None = N
         out["rmsnorm"] = chosen.pop("rmsnorm", None) or seed_source(RMSNorm({"threads": 1}))
     if mix:
         linear = chosen.pop("linear", None)
+        spec = load_task_class(linear.task).slot if linear is not None else None
+        if spec is not None and (missing := spec.missing(cpu_flags())):
+            raise EngineUnfit("kernels", f"kernels.linear: kernel {linear.id[:12]} ({linear.task}) needs "  # type: ignore[union-attr]
+                              f"{' and '.join(missing)}, which this CPU lacks")  # fmt: skip
         for precision in sorted({mix[0], *mix[1].values()}):
             if linear is not None and precision_of(linear.task) == precision:
                 out[f"linear {precision}"], linear = linear, None
