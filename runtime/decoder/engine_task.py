@@ -14,7 +14,7 @@ import inspect
 import os
 import random
 from collections.abc import Mapping
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,11 @@ def runnable_precisions() -> list[str]:
             continue
         out.append(p)
     return out
+
+
+@lru_cache(maxsize=2)
+def _loaded(path: Path) -> DecoderModel:
+    return load_decoder(path)
 
 
 def _precisions(linear: str) -> set[str]:
@@ -251,9 +256,10 @@ class ChatEngineTask(Task, KernelOffers):
         return self._path
 
     def model(self) -> DecoderModel:
-        """The model in fp32 (loaded once)."""
+        """The model in fp32 (loaded once per file in this process: a search following kernel runs makes a task
+        of each offer, and a model per task would fill a worker's memory)."""
         if self._model is None:
-            self._model = load_decoder(self.model_path())
+            self._model = _loaded(self.model_path())
         return self._model
 
     def model_id(self) -> str:
