@@ -52,7 +52,7 @@ def test_every_builtin_task_has_a_registered_backend_with_its_stages():
         "c": {"compile", "check", "full", "run", "duel"},
         "cuda": {"compile", "check", "full"},
         "engine": {"compile", "check", "full", "duel", "profile"},
-        "chat_engine": {"compile", "check", "full"},
+        "chat_engine": {"compile", "check", "full", "profile", "duel"},
     }
 
 
