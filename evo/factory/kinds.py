@@ -15,7 +15,9 @@ from evo.factory.kernels import engine_run_config, kernel_run_config
 from evo.factory.plan import slot_tasks_for
 from runtime.result import EvalResult
 
-__all__ = ["ChatKind", "EncoderKind", "ModelKind", "kind_of"]
+__all__ = ["HELD_OUT_SALT", "ChatKind", "EncoderKind", "ModelKind", "kind_of"]
+
+HELD_OUT_SALT = (1 << 62) + 7  # an encoder duel's texts' seed: a search's loads draw theirs at random below 2^63
 
 
 class ModelKind(abc.ABC):
@@ -108,8 +110,6 @@ class EncoderKind(ModelKind):
         return engine_run_config(self.config, dict(kernel_runs))
 
     def measure_args(self, *, duel: bool) -> dict[str, Any]:
-        from evo.factory.measure import HELD_OUT_SALT
-
         c, p = self.config, self.config.promote
         args = {**c.load.model_dump(mode="json"), "similarity_floor": p.similarity_floor, "model_dir": c.model_dir,
                 "seed": c.seed}  # fmt: skip

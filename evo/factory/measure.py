@@ -30,9 +30,7 @@ from runtime.result import EvalResult, Status
 from runtime.sandbox.limits import private_dir
 from runtime.settings import EvalSettings, SandboxSettings, TaskSpec
 
-__all__ = ["HELD_OUT_SALT", "Measurer"]
-
-HELD_OUT_SALT = (1 << 62) + 7  # the held-out texts' seed: a search's loads draw theirs at random below 2^63
+__all__ = ["Measurer"]
 
 EngineRef = dict[str, Any] | None
 
