@@ -83,10 +83,10 @@ def test_memoising_by_content_gains_nothing(workdir, ctx):
     honest, cheat = _eval(workdir, ctx, HONEST), _eval(workdir, ctx, BY_CONTENT)
     assert honest.status is Status.OK and cheat.status is Status.OK, (honest.error, cheat.error)
     # copying a remembered answer would be ~100x faster; computing it again each round is the honest speed. Each
-    # is judged by its ratio to the reference timed beside it: the two evaluations run at different moments, and
-    # the suite's other worker may load the machine during one of them.
+    # is judged by its ratio to the reference timed beside it: the two evaluations run at different moments (two
+    # runs of the same naive loop have read 1.8x apart here), so the bound is far from 100x and from that noise.
     ratios = cheat.metrics["vs_reference"], honest.metrics["vs_reference"]
-    assert ratios[0] < 1.5 * ratios[1], ratios
+    assert ratios[0] < 4 * ratios[1], ratios
     assert cheat.metrics["flagged"] is False
 
 
