@@ -158,9 +158,9 @@ class ConfinedChatServer:
                 if swapped is not None:
                     swapped(found, why, time.perf_counter() - t0)
             time.sleep(every_s if follow is not None else 0.2)
-        for pid in [*self._stopping, *([self.child] if self.child is not None else [])]:
-            self._stop(pid)
-        for pid in self._stopping:
+        if self.child is not None:
+            self._stop(self.child)
+        for pid in self._stopping:  # each was told to stop: it drains what it holds, then ends
             self._reap(pid, block=True)
         return 130 if signal.SIGINT in stop else 0
 

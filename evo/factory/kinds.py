@@ -70,13 +70,14 @@ class ModelKind(abc.ABC):
     def p99_budget_ms(self) -> float:
         """The bound on ``p99_ms`` past which an engine is never promoted."""
 
-    @abc.abstractmethod
-    def under_floor(self, result: EvalResult) -> str:
-        """Why a duel's ``wrong`` candidate fails the fidelity floor, in a line."""
+    def under_floor(self, result: EvalResult) -> str | None:
+        """Why a duel's ``wrong`` candidate fails the fidelity floor, in a line (``None``: it broke another rule,
+        which its error says)."""
+        return None
 
+    @abc.abstractmethod
     def fidelity_text(self, figures: Mapping[str, Any]) -> str:
         """A promotion's fidelity figures, for its reason."""
-        return ", ".join(f"{k} {v:.5f}" for k, v in figures.items() if k not in ("throughput", "p99_ms", "rounds"))
 
 
 class EncoderKind(ModelKind):
@@ -130,9 +131,14 @@ class EncoderKind(ModelKind):
     def p99_budget_ms(self) -> float:
         return float(self.config.load.p99_budget_ms)  # type: ignore[union-attr]
 
-    def under_floor(self, result: EvalResult) -> str:
+    def under_floor(self, result: EvalResult) -> str | None:
+        if "similarity" not in result.metrics:
+            return None
         floor = self.config.promote.similarity_floor  # type: ignore[union-attr]
         return f"min cosine {result.metrics['similarity']:.5f} on held-out texts is under the floor {floor}"
+
+    def fidelity_text(self, figures: Mapping[str, Any]) -> str:
+        return f"min cosine {figures.get('similarity', float('nan')):.5f}"
 
 
 class ChatKind(ModelKind):
@@ -259,9 +265,6 @@ class ChatKind(ModelKind):
     @property
     def p99_budget_ms(self) -> float:
         return float(self.config.load.itl_p99_budget_ms)  # type: ignore[union-attr]
-
-    def under_floor(self, result: EvalResult) -> str:
-        return f"under the fidelity floor: {(result.error or '').strip()[:400]}"
 
     def fidelity_text(self, figures: Mapping[str, Any]) -> str:
         return f"top-1 {figures.get('top1', float('nan')):.4f} and mean KL {figures.get('kl', float('nan')):.5f} nats"

@@ -274,10 +274,8 @@ class Factory:
         budget = self.kind.p99_budget_ms
         gain = c["throughput"] / i["throughput"] - 1 if i.get("throughput") else float("inf")
         if result.status != Status.OK:
-            if result.status == Status.WRONG and (c.keys() - {"throughput", "p99_ms", "rounds"}):
-                why = self.kind.under_floor(result)
-            else:
-                why = f"the candidate lost its duel: {_failure(result)}"
+            floor = self.kind.under_floor(result) if result.status == Status.WRONG else None
+            why = floor or f"the candidate lost its duel: {_failure(result)}"
         elif c["p99_ms"] > budget:
             why = f"p99 {c['p99_ms']:.1f} ms is over the budget {budget:g} ms"
         elif m.get("rival_failed"):
