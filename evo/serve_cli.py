@@ -53,6 +53,10 @@ __all__ = ["serve"]
 @click.option("--kv-dtype", type=click.Choice(["fp32", "f16"]), default="fp32", show_default=True,
               help="--gguf: the KV cache's type (f16: half the memory and the attention's reads; keys and values "
               "rounded to f16)")
+@click.option("--head", type=click.Choice(["full", "topk"]), default="full", show_default=True,
+              help="--gguf: the LM head: full logits (on --linear's kernels), or topk: steps whose sampling needs no "
+              "more (greedy, top-k, up to 20 logprobs) keep each row's 64 likeliest tokens on the lm_head_topk kernel "
+              "(q8), never writing the logits")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="--gguf: threads of the engine's GEMMs (BLAS or the C kernels) [default: every core]")
 @click.option("--max-running", default=64, show_default=True, type=click.IntRange(1, 4096),
@@ -61,7 +65,7 @@ __all__ = ["serve"]
 def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: Path | None, elite: str, host: str,
           port: int, api_key_env: str | None, max_in_flight: int, drain_timeout: float, warmup: int,
           body_timeout: float, kv_cache_mb: float, max_waiting: int, step_tokens: int, linear: str | None,
-          slots: str, kv_dtype: str, threads: int | None, max_running: int) -> None:
+          slots: str, kv_dtype: str, head: str, threads: int | None, max_running: int) -> None:
     """Serve RUN_DIR's engine elite: OpenAI-compatible /v1/embeddings, archive queries, kernel invocation,
     /health, /ready, /metrics. A run that is not an engine run (or has no ok engine candidate) is served
     with the default engine configuration, and says so. SIGTERM drains in-flight requests, then exits 0.
@@ -75,7 +79,8 @@ def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: P
                         "pip install -c constraints.txt -e '.[serve,engine]'") from None
     if sum(x is not None for x in (run_dir, follow, gguf)) != 1:
         raise UserError("give one of RUN_DIR, --follow FACTORY_DIR or --gguf FILE (see evo serve --help)")
-    chat_only = ("kv_cache_mb", "max_waiting", "step_tokens", "linear", "slots", "kv_dtype", "threads", "max_running")
+    chat_only = ("kv_cache_mb", "max_waiting", "step_tokens", "linear", "slots", "kv_dtype", "head", "threads",
+                 "max_running")
     _refuse_unused(ctx, ("elite", "max_in_flight", "warmup") if gguf else chat_only)
     from evo.unfiltered import warn_if_unfiltered
 
@@ -90,7 +95,7 @@ def serve(ctx: click.Context, run_dir: Path | None, follow: Path | None, gguf: P
 
             try:
                 chosen = {} if linear is None else {"linear": linear}
-                engine = ChatEngine(**chosen, slots=slots, kv_dtype=kv_dtype, step_tokens=step_tokens,
+                engine = ChatEngine(**chosen, slots=slots, kv_dtype=kv_dtype, head=head, step_tokens=step_tokens,
                                     max_running=max_running, threads=threads)  # fmt: skip
             except ValidationError as exc:
                 err = exc.errors()[0]

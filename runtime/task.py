@@ -187,6 +187,16 @@ class KernelTask(Task):
         reached two ways in the same call, such as a query alone and within a batch (empty by default)."""
         return {}
 
+    judged: ClassVar[tuple[str, ...]] = ()
+    """Outputs no element-wise tolerance can judge (the ids of a top list, where two near-equal values may come in
+    either order): :meth:`judge` does, and they are left out of the element-wise comparison."""
+
+    def judge(self, case: Case, inputs: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray],
+              got: Mapping[str, np.ndarray]) -> str | None:  # fmt: skip
+        """Why the outputs ``got`` are wrong by the task's own rules (``None``: they are not), after every output
+        not :attr:`judged` passed the element-wise comparison. The default has no rules."""
+        return None
+
     def value_kinds(self) -> tuple[str, ...]:
         """The value distributions the kernel must be correct on (see :data:`VALUE_KINDS`). Besides the
         typical checks, each is checked on every check case of one draw (subnormals but the largest ones:
@@ -250,6 +260,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "linear_f32": "runtime.tasks.linear_f32:LinearF32",
     "linear_q8": "runtime.tasks.linear_q8:LinearQ8",
     "linear_q8_vnni": "runtime.tasks.linear_q8_vnni:LinearQ8Vnni",
+    "lm_head_topk": "runtime.tasks.lm_head_topk:LmHeadTopk",
     "attention_decode": "runtime.tasks.attention_decode:AttentionDecode",
     "rmsnorm": "runtime.tasks.rmsnorm:RMSNorm",
     "matmul_cuda": "runtime.tasks.matmul_cuda:MatmulCuda",

@@ -63,7 +63,7 @@ class BudgetConfig(_Model):
 
 
 ENCODER_SLOTS = ["linear", "gelu", "layernorm", "softmax"]
-CHAT_SLOTS = ["linear", "attention", "rmsnorm"]
+CHAT_SLOTS = ["linear", "attention", "rmsnorm", "lm_head"]
 
 
 class PlanConfig(_Model):

@@ -158,10 +158,11 @@ class ChatKind(ModelKind):
         self._model()
 
     def shares(self, profile: Mapping[str, Any]) -> dict[str, float]:
-        """The decoder profile's parts, its GEMMs (each matrix and the LM head) summed into the ``linear`` slot."""
+        """The decoder profile's parts: its weight GEMMs (each matrix) summed into the ``linear`` slot, the LM head
+        (its full logits, or its top list) into ``lm_head``."""
         out: dict[str, float] = {}
         for part, share in dict(profile.get("shares") or {}).items():
-            slot = "linear" if part.startswith("linear ") or part == "lm_head" else part
+            slot = "linear" if part.startswith("linear ") else "lm_head" if part.startswith("lm_head") else part
             out[slot] = out.get(slot, 0.0) + float(share)
         return out
 
@@ -172,8 +173,13 @@ class ChatKind(ModelKind):
             return ["attention_decode"], ""
         if slot == "rmsnorm":
             return ["rmsnorm"], ""
+        if slot == "lm_head":
+            from runtime.task import load_task_class
+
+            missing = load_task_class("lm_head_topk").slot.missing(cpu_flags)  # type: ignore[union-attr]
+            return ([], f"lm_head_topk needs {' and '.join(missing)}") if missing else (["lm_head_topk"], "")
         if slot != "linear":
-            return [], f"a chat engine has no {slot} slot (its slots: linear, attention, rmsnorm)"
+            return [], f"a chat engine has no {slot} slot (its slots: linear, attention, rmsnorm, lm_head)"
         tasks, reasons = [], []
         for precision in self.config.plan.precisions:
             try:
@@ -185,7 +191,7 @@ class ChatKind(ModelKind):
     def kernel_run_config(self, task: str, max_evals: int) -> dict[str, Any]:
         """Each task at the shapes of the load's decode steps, on the threads the engine runs it on: a step of
         ``streams`` sequences through the gated MLP's up GEMM (the largest), the attention of that many sequences
-        over up to 512 cached positions, and RMSNorm of that many rows."""
+        over up to 512 cached positions, RMSNorm of that many rows, and the LM head's top list of that many rows."""
         from runtime.task import load_task_class
         from runtime.tasks._linear import LinearTask
 
@@ -198,6 +204,11 @@ class ChatKind(ModelKind):
         elif task == "rmsnorm":  # one thread, as the engine runs it
             args = {"rows": rows, "cols": cfg.hidden, "eps": cfg.eps, "threads": 1}
             descriptors, bins = ["vector_width"], [4]
+        elif task == "lm_head_topk":  # on the engine's team, its top list as long as the engine keeps
+            from runtime.decoder.kernels import TOP
+
+            args = {"m": rows, "k": cfg.hidden, "vocab": cfg.vocab, "top": TOP, "threads": team}
+            descriptors, bins = ["tile"], [4]
         elif issubclass(cls := load_task_class(task), LinearTask):
             args = {"m": rows, "k": cfg.hidden, "n": 2 * cfg.intermediate, "threads": team}
             descriptors, bins = [cls.block[0]], [4]
@@ -274,8 +285,8 @@ def _chat_slot(task: str) -> str:
     """The chat engine's slot a built-in task's kernels fill."""
     from runtime.decoder.kernels import precision_of
 
-    if task in ("attention_decode", "rmsnorm"):
-        return "attention" if task == "attention_decode" else "rmsnorm"
+    if task in ("attention_decode", "rmsnorm", "lm_head_topk"):
+        return {"attention_decode": "attention", "rmsnorm": "rmsnorm", "lm_head_topk": "lm_head"}[task]
     precision_of(task)  # a linear task of a precision the decoder runs, or a ValueError
     return "linear"
 

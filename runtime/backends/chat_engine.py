@@ -12,7 +12,8 @@ run, is ``invalid``; a host that does not come up ``crash``; an engine under the
   cache's type) teacher-forced on the task's held-out texts against the fp32 numpy engine, computed in the
   worker: top-1 agreement and mean KL must hold the task's floor (:class:`runtime.decoder.fidelity.Floor`).
   Engines that differ only in batching or threads share the figure. An engine with an evolved kernel never runs
-  in the worker: the host answers the held-out texts as prompts, and its answers are checked as the load's are.
+  in the worker, and a top-list LM head runs only in a served step: there, the host answers the held-out texts as
+  prompts, and its answers are checked as the load's are.
 - **The load.** ``streams`` clients in the worker stream greedy chat completions from the host (fresh prompts
   each load, one warm-up request first), the host's processes pinned to the task's cores under the timing lock.
   Every figure is the clients' (:mod:`runtime.decoder.chat_load`); every request asks for its tokens' ids and
@@ -191,7 +192,8 @@ class ChatEngineProgram(Program, Profiles, Duels):
 
     def check(self, trials: int) -> dict[str, Any]:
         t0 = time.perf_counter()
-        if self.engine.kernels:  # evolved kernels run only in the host: its answers to the held-out texts
+        if self.engine.kernels or self.engine.head == "topk":  # evolved kernels run only in the host, and the top
+            # list only in its steps: its answers to the held-out texts
             try:
                 texts = self.task.check_texts()
                 load = run_load(self.host.port, texts, len(texts), _CHECK_TOKENS, ids=True, top=_TOP)

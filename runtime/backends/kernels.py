@@ -214,6 +214,8 @@ def compare(task: KernelTask, inst: Instance) -> None:
     rtol, atol = task.tolerance(inst.case)
     scales = task.error_scale(inst.case, inst.inputs, inst.expected) or {}
     for name in inst.outputs:
+        if name in task.judged:
+            continue
         got, exp = inst.arrays[name], inst.expected[name]
         scale = scales.get(name)
         bad = ~within_tolerance(got, exp, rtol, atol, scale)
@@ -238,6 +240,9 @@ def compare(task: KernelTask, inst: Instance) -> None:
             f"({int(bad.sum())} of {bad.size} elements outside rtol={rtol:g}{against}, atol={atol:g}); "
             f"{inst.describe()}, input seed {inst.seed}",
         )
+    why = task.judge(inst.case, inst.inputs, inst.expected, {name: inst.arrays[name] for name in inst.outputs})
+    if why is not None:
+        raise Failure(Status.WRONG, f"{why}; {inst.describe()}, input seed {inst.seed}")
     compare_twins(task, inst)
 
 

@@ -21,8 +21,10 @@ from runtime.decoder.generate import Decoder
 from runtime.decoder.kernels import (
     DEFAULT_CACHE,
     KERNEL_SLOTS,
+    TOP,
     DecoderKernelError,
     c_attention,
+    c_lm_head_topk,
     c_rmsnorm,
     decoder_ops,
     linear_task,
@@ -73,6 +75,10 @@ class ChatEngine(BaseModel):
     slots: Literal["c", "numpy"] = Field("c", description="c: attention (batch-invariant) and RMSNorm on their "
                                          "tasks' C kernels; numpy: in numpy")  # fmt: skip
     kv_dtype: Literal["fp32", "f16"] = Field("fp32", description="the KV cache's type")
+    head: Literal["full", "topk"] = Field("full", description="full: the LM head's logits come from the linear "
+                                          "slot; topk: steps whose sampling needs no more (greedy, top-k, up to 20 "
+                                          "log-probabilities) run the lm_head_topk kernel (q8), which keeps each "
+                                          "row's 64 likeliest tokens and never writes the logits")  # fmt: skip
     step_tokens: int = Field(64, ge=1, le=65536, description="tokens one engine step runs (a token of each "
                              "decoding request, then prompt chunks)")  # fmt: skip
     max_running: int = Field(64, ge=1, le=4096, description="requests in the running batch at most")
@@ -103,6 +109,8 @@ class ChatEngine(BaseModel):
         cores = len(os.sched_getaffinity(0))
         if self.threads is not None and self.threads > cores:
             raise EngineUnfit("threads", f"threads {self.threads}: this process has {cores} cores (give at most that)")
+        if self.head == "topk" and (missing := load_task_class("lm_head_topk").slot.missing(cpu_flags())):  # type: ignore[union-attr]
+            raise EngineUnfit("head", f"head topk: its kernel needs {' and '.join(missing)}, which this CPU lacks")
         mix = self.mix()
         if mix is not None:
             try:
@@ -125,7 +133,8 @@ class ChatEngine(BaseModel):
 
     def describe(self) -> str:
         kernels = "".join(f", {slot} kernel {cid[:12]}" for slot, cid in sorted(self.kernels.items()))
-        return (f"linear {self.linear}, slots {self.slots}, KV cache {self.kv_dtype}, {self.step_tokens}-token "
+        head = ", LM head top list" if self.head == "topk" else ""
+        return (f"linear {self.linear}{head}, slots {self.slots}, KV cache {self.kv_dtype}, {self.step_tokens}-token "
                 f"steps, up to {self.max_running} running, {self.team()} threads{kernels}")  # fmt: skip
 
 
@@ -135,6 +144,7 @@ def libraries(engine: ChatEngine, kernels: Mapping[str, KernelSource] | None = N
     built-in kernel. Raises :class:`EngineUnfit` where a named kernel is not given, or cannot fill its place (an
     attention kernel evolved for another KV cache type, a linear kernel of a precision no matrix runs)."""
     from runtime.tasks.attention_decode import AttentionDecode
+    from runtime.tasks.lm_head_topk import LmHeadTopk
     from runtime.tasks.rmsnorm import RMSNorm
 
     given = dict(kernels or {})
@@ -147,6 +157,11 @@ def libraries(engine: ChatEngine, kernels: Mapping[str, KernelSource] | None = N
         chosen[slot] = ks
     mix, team = engine.mix(), engine.team()
     out: dict[str, KernelSource] = {}
+    if engine.head == "topk":
+        out["lm_head"] = chosen.pop("lm_head", None) or seed_source(LmHeadTopk({"threads": team if mix else 1}))
+    elif "lm_head" in chosen:
+        raise EngineUnfit("kernels", "kernels.lm_head: the engine's head is full (head: topk runs the LM head's top "
+                          "list)")  # fmt: skip
     if engine.slots == "c":
         attention = chosen.pop("attention", None)
         if attention is not None and attention.args.get("cache", "fp32") != engine.kv_dtype:
@@ -215,7 +230,14 @@ def build(model: DecoderModel, engine: ChatEngine, *, kernels: Mapping[str, Kern
         sources = {part.removeprefix("linear "): ks for part, ks in parts.items() if part.startswith("linear ")}
         ops = decoder_ops(model, mix[0], matrices=mix[1], sources=sources, threads=team, base=ops,
                           **where)  # type: ignore[arg-type]
-    return Decoder(model, ops=ops)
+    if engine.head == "full":
+        return Decoder(model, ops=ops)
+    if model.config.logit_softcap or model.config.hidden % 32:
+        raise EngineUnfit("head", f"head topk: {model.path.name}'s LM head has no top list (its logits are "
+                          "soft-capped, or its hidden size is not a multiple of 32): use head full")  # fmt: skip
+    ops = dataclasses.replace(ops, lm_head_topk=c_lm_head_topk(model.lm_head, source=parts["lm_head"],
+                                                                threads=openmp, **where))  # fmt: skip
+    return Decoder(model, ops=ops, top=TOP)
 
 
 def engine_threads(engine: ChatEngine) -> None:

@@ -28,6 +28,7 @@ from runtime.decoder.kernels import KERNEL_SLOTS, PRECISIONS, DecoderKernelError
 from runtime.decoder.model import DecoderModel, load_decoder
 from runtime.decoder.models import MODELS, model_file
 from runtime.engine.kernel_runs import KernelSource
+from runtime.hardware import cpu_flags
 from runtime.kernel_offers import KernelOfferArgs, KernelOffers, absolute_runs
 from runtime.task import Descriptor, Task, TaskArgs, load_task_class
 
@@ -100,6 +101,12 @@ def _precisions(linear: str) -> set[str]:
     return {precision, *matrices.values()}
 
 
+def head_choices() -> tuple[str, ...]:
+    """The LM heads this CPU runs: the full logits, and the top list where its kernel's instructions are here."""
+    spec = load_task_class("lm_head_topk").slot
+    return ("full",) if spec is None or spec.missing(cpu_flags()) else ("full", "topk")
+
+
 @cache
 def corpus() -> str:
     """English text that ships with evoforge (its decoder's module documentation): held-out texts and prompts."""
@@ -168,6 +175,7 @@ class ChatEngineTask(Task, KernelOffers):
             "linear": ChoiceParam(type="choice", values=self.linear_choices()),
             "slots": ChoiceParam(type="choice", values=("c", "numpy")),
             "kv_dtype": ChoiceParam(type="choice", values=("fp32", "f16")),
+            "head": ChoiceParam(type="choice", values=head_choices()),
             "step_tokens": Pow2Param(type="pow2", low=16, high=1 << (a.max_step_tokens.bit_length() - 1)),
             "max_running": Pow2Param(type="pow2", low=1, high=running),
             "threads": IntParam(type="int", low=1, high=self.cores),
@@ -177,8 +185,8 @@ class ChatEngineTask(Task, KernelOffers):
 
     def seeds(self) -> list[Genome]:
         """The default engine (``evo serve --gguf``'s: fp32 C GEMMs where they run, C attention and RMSNorm), and
-        with q8 kernels and an f16 cache where q8 runs here (the fastest engine measured on SmolLM2 that holds the
-        floor)."""
+        with q8 kernels, an f16 cache and the LM head's top list where they run here (the fastest engine measured on
+        SmolLM2 that holds the floor)."""
         running = self.space().params["max_running"].high  # type: ignore[attr-defined]
         base = ChatEngine(threads=self.cores, max_running=min(64, running)).model_dump()
         base.pop("kernels")
@@ -188,7 +196,7 @@ class ChatEngineTask(Task, KernelOffers):
         base.update({f"kernel_{slot}": "numpy" for slot in choices})
         seeds = [base]
         if "q8" in self.linear_choices():
-            seeds.append({**base, "linear": "q8", "kv_dtype": "f16", "step_tokens": 32})
+            seeds.append({**base, "linear": "q8", "kv_dtype": "f16", "step_tokens": 32, "head": head_choices()[-1]})
         if any(choices.values()):
             seeds.append(self.fit_kernels({**base, **{f"kernel_{s}": ids[0] for s, ids in choices.items() if ids}}))
         return [Genome(params=p) for p in seeds]
@@ -206,6 +214,8 @@ class ChatEngineTask(Task, KernelOffers):
                 precision = precision_of(ks.task)
                 if precision in self.linear_choices() and precision not in _precisions(out.get("linear", "numpy")):
                     out["linear"] = precision
+            elif slot == "lm_head":
+                out["head"] = "topk"
             else:
                 out["slots"] = "c"
                 if slot == "attention":

@@ -61,11 +61,14 @@ class _Sequence:
 
 
 class Decoder:
-    """A loaded model and the operators it runs on; :meth:`generate` answers one prompt."""
+    """A loaded model and the operators it runs on; :meth:`generate` answers one prompt. With ``top``, the
+    scheduler's steps whose sampling needs no more than each row's ``top`` likeliest tokens run the LM head's top
+    list (``ops.lm_head_topk``) in place of the full logits."""
 
-    def __init__(self, model: DecoderModel, *, ops: DecoderOps | None = None) -> None:
+    def __init__(self, model: DecoderModel, *, ops: DecoderOps | None = None, top: int = 0) -> None:
         self.model = model
         self.ops = ops or DecoderOps()
+        self.top = top
 
     @classmethod
     def load(cls, path: str | Path, *, ops: DecoderOps | None = None) -> Decoder:

@@ -28,6 +28,7 @@ import numpy as np
 from genome import Genome
 from runtime.decoder.model import DecoderModel, KVCache
 from runtime.decoder.ops import DecoderOps, np_linear
+from runtime.decoder.sampling import TopLogits
 from runtime.engine.kernel_runs import KernelSource
 from runtime.hardware import cpu_flags
 from runtime.settings import CompilerSettings
@@ -36,8 +37,9 @@ from runtime.task import load_task_class
 from runtime.tasks._linear import LinearTask
 from runtime.toolchain.cc import CKernel, CompileError, compile_source, load_kernel
 
-__all__ = ["KERNEL_SLOTS", "MATRICES", "PRECISIONS", "DecoderKernelError", "Precision", "c_attention", "c_rmsnorm",
-           "decoder_ops", "linear_task", "load_source", "parse_mix", "precision_of", "seed_source"]  # fmt: skip
+__all__ = ["KERNEL_SLOTS", "MATRICES", "PRECISIONS", "TOP", "DecoderKernelError", "Precision", "c_attention",
+           "c_lm_head_topk", "c_rmsnorm", "decoder_ops", "linear_task", "load_source", "parse_mix", "precision_of",
+           "seed_source"]  # fmt: skip
 
 Precision = Literal["fp32", "int8", "bf16", "q8"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -54,9 +56,13 @@ _TASKS: dict[str, tuple[str, ...]] = {
     "q8": ("linear_q8_vnni", "linear_q8"),
 }
 
-KERNEL_SLOTS = ("linear", "attention", "rmsnorm")
+KERNEL_SLOTS = ("linear", "attention", "rmsnorm", "lm_head")
 """The decoder's slots a kernel run's elite may fill: the weight GEMMs (a linear-slot task of any precision: it runs
-the matrices of its own), attention over the KV caches, and RMSNorm."""
+the matrices of its own), attention over the KV caches, RMSNorm, and the LM head's top list (``lm_head_topk``)."""
+
+TOP = 64
+"""Likeliest tokens per row an engine's top-list LM head keeps: the 20 log-probabilities a request may ask for, and
+room for the end tokens a load's ``ignore_eos`` drops."""
 
 DEFAULT_CACHE = Path.home() / ".cache" / "evoforge" / "kernels"
 
@@ -270,6 +276,47 @@ def c_rmsnorm(
 
     rmsnorm.kernel = kernel  # type: ignore[attr-defined]  # alive as long as the function
     return rmsnorm
+
+
+def c_lm_head_topk(
+    head: np.ndarray,
+    genome: Genome | None = None,
+    *,
+    source: KernelSource | None = None,
+    threads: int = 1,
+    compiler: CompilerSettings | None = None,
+    cache_dir: str | Path | None = None,
+) -> Callable[[np.ndarray, np.ndarray, int], TopLogits]:
+    """The ``lm_head_topk`` slot on the ``lm_head_topk`` task's kernel (``source``, e.g. a kernel run's elite, else
+    ``genome``, default its template seed) over ``head`` ``[vocab, H]`` (quantised to q8 once, here); another
+    weight runs in numpy. Raises :class:`DecoderKernelError` for a hidden size that is not a multiple of 32."""
+    from runtime.decoder.ops import np_lm_head_topk
+    from runtime.tasks.lm_head_topk import LmHeadTopk
+
+    if head.shape[1] % 32:
+        raise DecoderKernelError(f"the LM head's top list runs on a hidden size that is a multiple of 32, not "
+                                 f"{head.shape[1]}")  # fmt: skip
+    task = LmHeadTopk({"threads": threads})
+    kernel = _build(task, genome, source, compiler, cache_dir)
+    packed = task.slot_pack(head)
+    x0, ids0, out0, lse0 = (np.zeros((1, head.shape[1]), np.float32), np.zeros((1, 1), np.int32),
+                            np.zeros((1, 1), np.float32), np.zeros(1, np.float32))  # fmt: skip
+    call = kernel.caller(task.slot_args({"x": x0, "packed": packed, "top": 1, "ids": ids0, "lse": lse0}, out0))
+    vocab, hidden = head.shape
+    where = tuple(a.ctypes.data for a in packed)
+
+    def lm_head_topk(x: np.ndarray, w: np.ndarray, top: int) -> TopLogits:
+        if w is not head:
+            return np_lm_head_topk(x, w, top)
+        x = np.ascontiguousarray(x, np.float32)
+        ids = np.empty((len(x), top), np.int32)
+        values = np.empty((len(x), top), np.float32)
+        lse = np.empty(len(x), np.float32)
+        call(len(x), vocab, hidden, top, x.ctypes.data, *where, ids.ctypes.data, values.ctypes.data, lse.ctypes.data)
+        return TopLogits(ids, values, lse)
+
+    lm_head_topk.kernel, lm_head_topk.packed = kernel, packed  # type: ignore[attr-defined]  # alive with it
+    return lm_head_topk
 
 
 def c_attention(

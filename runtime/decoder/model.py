@@ -25,6 +25,7 @@ import numpy as np
 
 from runtime.decoder.gguf_file import DecoderConfig, GGUFFile, read_config
 from runtime.decoder.ops import DecoderOps
+from runtime.decoder.sampling import TopLogits
 from runtime.decoder.tokenizer import Tokenizer
 
 __all__ = ["ContextFull", "DecoderModel", "KVCache", "Layer", "load_decoder"]
@@ -138,11 +139,14 @@ class DecoderModel:
         ops: DecoderOps,
         *,
         all_logits: bool = False,
-    ) -> np.ndarray:
+        top: int = 0,
+    ) -> np.ndarray | TopLogits:
         """Runs the new tokens ``chunks[i]`` of each sequence after what ``caches[i]`` holds, and appends them to
         it. Returns the logits of each chunk's last token ``[len(chunks), vocab]`` (``all_logits``: of every new
         token, ``[total tokens, vocab]``, the chunks one after another). A prompt is one chunk (prefill), a
-        decode step a chunk of one token; the sequences of a batch may be at different positions."""
+        decode step a chunk of one token; the sequences of a batch may be at different positions. With ``top``,
+        each chunk's last token gives only its ``top`` likeliest tokens and its log-sum-exp (``ops.lm_head_topk``;
+        not with ``all_logits``, nor for a model whose logits are soft-capped)."""
         cfg = self.config
         if len(chunks) != len(caches) or not chunks:
             raise ValueError(f"{len(chunks)} chunks for {len(caches)} caches: give one non-empty chunk per cache")
@@ -150,6 +154,8 @@ class DecoderModel:
         counts = [len(c) for c in ids]
         if min(counts) == 0:
             raise ValueError("an empty chunk: every sequence in a forward pass needs at least one new token")
+        if top and (all_logits or cfg.logit_softcap):
+            raise ValueError("top logits are of each chunk's last token, for a model without soft-capped logits")
         flat = np.concatenate(ids)
         if flat.min() < 0 or flat.max() >= cfg.vocab:
             raise ValueError(f"token ids must lie in [0, {cfg.vocab}): got {int(flat.min())}..{int(flat.max())}")
@@ -192,6 +198,8 @@ class DecoderModel:
         for cache, n in zip(caches, counts, strict=True):
             cache.length += n
         rows = x if all_logits else x[offsets[1:] - 1]
+        if top:
+            return ops.lm_head_topk(ops.rmsnorm(rows, self.norm, cfg.eps), self.lm_head, top)
         logits = ops.lm_head(ops.rmsnorm(rows, self.norm, cfg.eps), self.lm_head)
         if cfg.logit_softcap:
             cap = np.float32(cfg.logit_softcap)

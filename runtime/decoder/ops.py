@@ -22,6 +22,8 @@ it owns) and leaves its inputs alone. All arithmetic is fp32.
 - ``geglu(gu [T, 2I]) -> [T, I]``: ``gelu(gate) * up``, GELU's tanh approximation (Gemma's MLP).
 - ``lm_head(x [T, H], w [vocab, H]) -> [T, vocab]``: the logits, ``x @ w.T`` (``w`` is the embedding matrix
   where the model ties them).
+- ``lm_head_topk(x [T, H], w [vocab, H], top) -> TopLogits``: each row's ``top`` largest logits with their ids, and
+  its log-sum-exp (:class:`runtime.decoder.sampling.TopLogits`), for steps whose sampling needs no more.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from runtime.activations import gelu_tanh
+from runtime.decoder.sampling import TopLogits
 
 if TYPE_CHECKING:
     from runtime.decoder.model import KVCache
 
-__all__ = ["DECODER_SLOTS", "DecoderOps", "np_attention", "np_geglu", "np_linear", "np_lm_head", "np_rmsnorm",
-           "np_rope", "np_swiglu", "sdpa"]  # fmt: skip
+__all__ = ["DECODER_SLOTS", "DecoderOps", "np_attention", "np_geglu", "np_linear", "np_lm_head", "np_lm_head_topk",
+           "np_rmsnorm", "np_rope", "np_swiglu", "sdpa"]  # fmt: skip
 
 DECODER_SLOTS = ("linear", "rmsnorm", "rope", "attention", "swiglu", "geglu", "lm_head")
 """The decoder's operator slots."""
@@ -130,6 +133,23 @@ def np_lm_head(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x @ w.T
 
 
+def top_of(logits: np.ndarray, top: int) -> TopLogits:
+    """Each row's ``top`` largest logits (ties by id) and log-sum-exp, from the full ``logits`` ``[T, vocab]``."""
+    ids = np.argpartition(-logits, top - 1, axis=1)[:, :top] if top < logits.shape[1] else np.tile(
+        np.arange(logits.shape[1]), (len(logits), 1))  # fmt: skip
+    values = np.take_along_axis(logits, ids, axis=1)
+    order = np.lexsort((ids, -values), axis=1)
+    ids, values = np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+    z = logits.astype(np.float64)
+    peak = z.max(axis=1)
+    lse = peak + np.log(np.exp(z - peak[:, None]).sum(axis=1))
+    return TopLogits(ids.astype(np.int32), values.astype(np.float32), lse.astype(np.float32))
+
+
+def np_lm_head_topk(x: np.ndarray, w: np.ndarray, top: int) -> TopLogits:
+    return top_of(np_lm_head(x, w), top)
+
+
 @dataclass
 class DecoderOps:
     """The operator table a decoder's forward pass calls (numpy defaults; see the module for the conventions)."""
@@ -142,3 +162,4 @@ class DecoderOps:
     swiglu: Callable[[np.ndarray], np.ndarray] = np_swiglu
     geglu: Callable[[np.ndarray], np.ndarray] = np_geglu
     lm_head: Callable[[np.ndarray, np.ndarray], np.ndarray] = np_lm_head
+    lm_head_topk: Callable[[np.ndarray, np.ndarray, int], TopLogits] = np_lm_head_topk

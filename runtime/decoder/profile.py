@@ -92,7 +92,7 @@ def profile_decoder(decoder: Decoder, prompts: Sequence[Sequence[int]], max_toke
     """Serves ``prompts`` (token ids), each to ``max_tokens`` greedy tokens (end tokens ignored, so every request
     does the same work), through ``decoder``'s engine with its operators timed; returns where the time went."""
     ops, seconds = timed_ops(decoder.ops, decoder)
-    timed = Decoder(decoder.model, ops=ops)
+    timed = Decoder(decoder.model, ops=ops, top=decoder.top)
     forward: list[float] = []
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     with Scheduler(timed, config or SchedulerConfig(), on_step=lambda n, t, s: forward.append(s)) as scheduler:

@@ -31,7 +31,15 @@ from runtime.decoder.generate import Completion, Decoder, check_prompt
 from runtime.decoder.gguf_file import DecoderConfig
 from runtime.decoder.grammar import GrammarState
 from runtime.decoder.model import KVCache
-from runtime.decoder.sampling import SamplingParams, sample, token_logprobs
+from runtime.decoder.sampling import (
+    SamplingParams,
+    TopLogits,
+    sample,
+    sample_top,
+    token_logprobs,
+    top_logprobs,
+    top_suffices,
+)
 from runtime.decoder.stream import FinishReason, TextStream
 
 __all__ = ["Chunk", "DoesNotFit", "Generation", "QueueFull", "Scheduler", "SchedulerClosed", "SchedulerConfig",
@@ -308,20 +316,33 @@ class Scheduler:
     def _step(self, batch: list[tuple[_Seq, list[int]]]) -> None:
         t0 = time.perf_counter()
         caches = [s.cache for s, _ in batch]
-        logits = self.decoder.model.forward([c for _, c in batch], caches, self.decoder.ops)  # type: ignore[misc]
+        end_ids = self.decoder.tokenizer.end_ids
+        top = self.decoder.top  # the head's top lists where every sequence's sampling needs no more
+        if top and not all(top_suffices(s.params, top, end_ids) for s, _ in batch):
+            top = 0
+        logits = self.decoder.model.forward([c for _, c in batch], caches, self.decoder.ops, top=top)
         now = time.perf_counter()
         finished, sampled = [], 0
-        for (seq, chunk), row in zip(batch, logits, strict=True):
+        for i, (seq, chunk) in enumerate(batch):
             if seq.done < len(seq.prompt):
                 seq.done += len(chunk)
                 if seq.done < len(seq.prompt):  # more of the prompt to read: no token yet
                     continue
             k = seq.params.logprobs
-            raw = row.copy() if k is not None else None  # sampling may mask the end tokens in place
-            token = sample(row, seq.params, seq.rng, self.decoder.tokenizer.end_ids, seq.grammar)
+            logprob = None
+            if isinstance(logits, TopLogits):
+                ids, values, lse = logits.row(i)
+                token = sample_top(ids, values, seq.params, seq.rng, end_ids)
+                if k is not None:
+                    logprob = top_logprobs(ids, values, lse, token, k)
+            else:
+                row = logits[i]
+                raw = row.copy() if k is not None else None  # sampling may mask the end tokens in place
+                token = sample(row, seq.params, seq.rng, end_ids, seq.grammar)
+                if raw is not None and k is not None:
+                    logprob = token_logprobs(raw, token, k)
             text = seq.stream.push(token)
             sampled += 1
-            logprob = token_logprobs(raw, token, k) if raw is not None and k is not None else None
             seq.gen._channel.put(Chunk(token, text, seq.stream.sampled, seq.stream.finish, now, logprob))
             if seq.stream.finish is not None:
                 finished.append(seq)

@@ -50,15 +50,16 @@ def test_a_chat_factory_profiles_plans_searches_and_promotes(chat_factory: Path)
     plan = json.loads((chat_factory / "plans" / "round-1.json").read_text())
     assert {(s["slot"], s["task"]) for s in plan["searches"]} == {("linear", "linear_f32"),
                                                                   ("attention", "attention_decode"),
-                                                                  ("rmsnorm", "rmsnorm")}  # fmt: skip
+                                                                  ("rmsnorm", "rmsnorm"),
+                                                                  ("lm_head", "lm_head_topk")}  # fmt: skip
     kernel = yaml.safe_load((chat_factory / "configs" / "attention_decode.yaml").read_text())
     assert kernel["task"]["args"]["batch"] == 2 and kernel["task"]["args"]["head_dim"] > 0  # the decode shapes
     engine = yaml.safe_load((chat_factory / "configs" / "engine-r1.yaml").read_text())
     assert engine["task"]["name"] == "chat_engine" and set(engine["task"]["args"]["kernels"]) == {
-        "linear", "attention", "rmsnorm"}
+        "linear", "attention", "rmsnorm", "lm_head"}
     events = [json.loads(line) for line in (chat_factory / "events.jsonl").read_text().splitlines()]
     searched = next(e for e in events if e["event"] == "searched" and e["task"] == "engine")
-    assert {o["slot"] for o in searched["offered"]} == {"linear", "attention", "rmsnorm"}
+    assert {o["slot"] for o in searched["offered"]} == {"linear", "attention", "rmsnorm", "lm_head"}
     duel = json.loads((chat_factory / "duels" / "round-1.json").read_text())
     c = duel["figures"]["candidate"]
     assert duel["unit"] == "tokens/s" and c["throughput"] > 0 and c["top1"] == 1.0 and c["kl"] < 1e-4, duel

@@ -57,3 +57,19 @@ def test_an_unknown_level_is_one_line_and_exit_2() -> None:
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
         "error: EVOFORGE_CPU_ISA='avx9000' is not a level evoforge knows: use one of native, avx2"]
+
+
+@pytest.mark.parametrize("slot", ["linear", "attention", "rmsnorm", "lm_head"])
+def test_every_chat_engine_slot_has_a_task_for_an_avx2_cpu(slot: str) -> None:
+    """A chat factory's plan finds a kernel search for each of a chat engine's slots on a CPU with AVX2 and FMA
+    alone (the GEMMs in q8 on ``linear_q8``, the LM head's top list on ``lm_head_topk``)."""
+    from evo.factory.config import CHAT_SLOTS, FactoryConfig
+    from evo.factory.kinds import kind_of
+    from runtime.task import load_task_class
+
+    assert slot in CHAT_SLOTS
+    kind = kind_of(FactoryConfig.model_validate({"model": "smollm2"}))
+    tasks, why = kind.slot_tasks(slot, AVX2)
+    assert tasks, f"the chat engine's {slot} slot has no task an AVX2 CPU runs: {why}"
+    for name in tasks:
+        assert not load_task_class(name).slot.missing(AVX2)

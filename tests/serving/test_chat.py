@@ -379,7 +379,7 @@ def test_malformed_bodies_unknown_models_and_keys(server: Server) -> None:
     engine = server.call("GET", "/ready", key=False)[1]["engine"]
     from runtime.decoder.engine import default_linear
 
-    assert engine == {"linear": default_linear(), "slots": "c", "kv_dtype": "fp32", "step_tokens": 64,
+    assert engine == {"linear": default_linear(), "slots": "c", "kv_dtype": "fp32", "head": "full", "step_tokens": 64,
                       "max_running": 64, "threads": None, "kernels": {}}  # the defaults
     status, got, _ = server.call("POST", CHAT, {"messages": USER, "max_tokens": 2, "model": "tiny-chat.gguf"})
     assert status == 200 and got["model"] == "tiny-chat.gguf"  # an alias
@@ -471,8 +471,8 @@ def test_linear_int8_serves_the_int8_engine_and_ignore_eos_fills_max_tokens(tiny
                        "--kv-dtype", "f16", "--max-running", "8")  # fmt: skip
     try:
         engine = srv.call("GET", "/ready")[1]["engine"]
-        assert engine == {"linear": "int8", "slots": "c", "kv_dtype": "f16", "step_tokens": 64, "max_running": 8,
-                          "threads": 1, "kernels": {}}  # fmt: skip
+        assert engine == {"linear": "int8", "slots": "c", "kv_dtype": "f16", "head": "full", "step_tokens": 64,
+                          "max_running": 8, "threads": 1, "kernels": {}}  # fmt: skip
         int8 = _in_process(decoder.model, engine)
         client = _client(srv)
         for messages in CHATS:

@@ -275,3 +275,56 @@ def test_on_c_kernels_a_sequences_logits_do_not_depend_on_its_chunks_or_its_batc
         cut = [_chunked(model, ops, ids, others, sizes) for sizes in ([7, 1, 13, 2], [1], [5, 11])]
         same = [np.array_equal(alone, got) for got in cut]
         assert all(same) if name == "c" else not all(same), (name, same)
+
+
+def test_the_top_list_head_matches_its_task_at_decode_batches(shaped, kernel_cache):
+    """SmolLM2's LM head (576 x 49152) through the lm_head_topk kernel at 1 to 17 rows: each row's 64 values are the
+    exact q8 logits' largest, each id's own logit is the value beside it, and the log-sum-exp is the exact one."""
+    from runtime.decoder.kernels import c_lm_head_topk
+    from runtime.tasks.lm_head_topk import exact_logits, pack_rows_q8
+
+    head = c_lm_head_topk(shaped.lm_head, threads=2, cache_dir=kernel_cache)
+    wq, w_scale = pack_rows_q8(shaped.lm_head)
+    for m in (1, 3, 8, 17):
+        x = RNG.standard_normal((m, 576)).astype(np.float32)
+        got, exact = head(x, shaped.lm_head, 64), exact_logits(x, wq, w_scale)
+        top = -np.sort(-exact, axis=1)[:, :64]
+        np.testing.assert_allclose(got.values, top, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got.values, np.take_along_axis(exact, got.ids.astype(np.int64), 1), rtol=1e-4,
+                                   atol=1e-4)  # fmt: skip
+        lse = exact.max(1) + np.log(np.exp(exact - exact.max(1, keepdims=True)).sum(1))
+        np.testing.assert_allclose(got.lse, lse, rtol=1e-5, atol=1e-4)
+
+
+@tiny_group
+def test_a_scheduler_on_top_lists_serves_what_the_full_logits_do(llama, sentences, kernel_cache):
+    """Requests whose sampling the 64 likeliest tokens decide (greedy with 5 log-probabilities, seeded top-k) get
+    the same tokens and log-probabilities from the head's top lists as from its full logits; a request that needs
+    the full logits (temperature alone) gets them, in the same steps. On the C kernel (q8), the engine keeps its
+    top lists and answers."""
+    from runtime.decoder import SamplingParams, Scheduler, SchedulerConfig
+    from runtime.decoder.engine import ChatEngine, build
+    from runtime.decoder.kernels import TOP
+
+    model = llama.decoder.model
+    prompts = [model.tokenizer.encode(s) for s in sentences[:6]]
+    asked = [SamplingParams(max_tokens=12, logprobs=5), SamplingParams(max_tokens=12, temperature=0.8, top_k=8, seed=4),
+             SamplingParams(max_tokens=12, temperature=0.8, seed=5)]  # fmt: skip
+
+    def served(decoder: Decoder) -> list:
+        with Scheduler(decoder, SchedulerConfig(step_tokens=16)) as scheduler:
+            gens = [scheduler.submit(p, asked[i % 3]) for i, p in enumerate(prompts)]
+            return [list(g) for g in gens]
+
+    full, listed = served(Decoder(model)), served(Decoder(model, top=TOP))
+    for a, b in zip(full, listed, strict=True):
+        assert [c.token for c in a] == [c.token for c in b]
+        for ca, cb in zip(a, b, strict=True):
+            assert (ca.logprob is None) == (cb.logprob is None)
+            if ca.logprob is not None:
+                assert abs(ca.logprob[0] - cb.logprob[0]) < 1e-4
+                assert [t for t, _ in ca.logprob[1]] == [t for t, _ in cb.logprob[1]]
+    c = build(model, ChatEngine(linear="q8", head="topk", threads=2), cache_dir=kernel_cache)
+    assert c.top == TOP
+    answers = served(c)
+    assert all(1 <= len(a) <= 12 for a in answers)

@@ -97,3 +97,53 @@ def test_ignore_eos_never_samples_an_end_token(llama):
         assert scheduler.submit(ids, SamplingParams(max_tokens=40)).result().token_ids == ended.token_ids
         served = scheduler.submit(ids, SamplingParams(max_tokens=40, ignore_eos=True)).result()
     assert served.token_ids == ignoring.token_ids and served.finish_reason == "length"
+
+
+TOP_CASES = {
+    "greedy": SamplingParams(),
+    "greedy without end tokens": SamplingParams(ignore_eos=True),
+    "top-k": SamplingParams(temperature=0.9, top_k=20, seed=1),
+    "top-k and top-p": SamplingParams(temperature=1.3, top_k=40, top_p=0.7, seed=2),
+    "top-k without end tokens": SamplingParams(temperature=1.0, top_k=10, ignore_eos=True, seed=3),
+    "greedy with logprobs": SamplingParams(logprobs=20),
+}
+
+
+@pytest.mark.parametrize("case", list(TOP_CASES))
+def test_the_top_list_chooses_what_the_full_logits_do(case: str) -> None:
+    """Where :func:`top_suffices` holds, a row's 64 likeliest tokens and its log-sum-exp give the very token and
+    log-probabilities the full logits do, draw after draw of one seeded generator (equal logits included)."""
+    from runtime.decoder.ops import top_of
+    from runtime.decoder.sampling import sample_top, token_logprobs, top_logprobs, top_suffices
+
+    params, ends = TOP_CASES[case], frozenset({3, 7})
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((40, 500)).astype(np.float32) * 3
+    logits[:, 7] = logits.max(axis=1) + 1  # an end token is the likeliest
+    logits[:, 11] = logits[:, 12] = np.sort(logits, axis=1)[:, -5]  # two equal logits inside every top list
+    listed = top_of(logits, 64)
+    assert top_suffices(params, 64, ends)
+    full_rng, top_rng = np.random.default_rng(9), np.random.default_rng(9)
+    for i, row in enumerate(logits):
+        ids, values, lse = listed.row(i)
+        token = sample(row.copy(), params, full_rng, ends)
+        assert sample_top(ids, values, params, top_rng, ends) == token
+        if params.logprobs:
+            (lp, best), (tlp, tbest) = token_logprobs(row, token, 20), top_logprobs(ids, values, lse, token, 20)
+            assert abs(lp - tlp) < 1e-5 and [t for t, _ in best] == [t for t, _ in tbest]
+            assert np.allclose([p for _, p in best], [p for _, p in tbest], atol=1e-5)
+
+
+def test_the_top_list_suffices_only_where_it_decides_the_token() -> None:
+    from runtime.decoder.grammar import Grammar
+    from runtime.decoder.sampling import top_suffices
+
+    ends = frozenset({1, 2})
+    assert top_suffices(SamplingParams(logprobs=20), 64, ends)
+    assert not top_suffices(SamplingParams(logprobs=20), 16, ends)  # more log-probabilities than it keeps
+    assert not top_suffices(SamplingParams(temperature=0.7), 64)  # every token may be drawn
+    assert not top_suffices(SamplingParams(temperature=0.7, top_p=0.9), 64)
+    assert not top_suffices(SamplingParams(temperature=0.7, top_k=63, ignore_eos=True), 64, ends)  # no room for ends
+    assert top_suffices(SamplingParams(temperature=0.7, top_k=62, ignore_eos=True), 64, ends)
+    grammar = Grammar.__new__(Grammar)  # any grammar: its mask may rule out every listed token
+    assert not top_suffices(SamplingParams(grammar=grammar), 64)
