@@ -5,7 +5,9 @@ saves: every mix's fidelity against the fp32 engine, and its decode step at 8 se
     python bench/decoder_precision_mixes.py --threads 2 --mix int8 --mix int8:lm_head=fp32,down=fp32
 
 A mix is ``PRECISION[:MATRIX=PRECISION,...]``: every weight GEMM and the LM head in ``PRECISION`` but the matrices
-named (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``; ``runtime.decoder.kernels``). Fidelity is teacher-forced
+named (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``; ``runtime.decoder.kernels``). ``+topk`` after a mix runs
+its decode steps' LM head as the top list (``lm_head_topk``: q8, each row's 64 likeliest tokens, no logits written),
+and is scored as the mix with ``lm_head=q8``, the same arithmetic. Fidelity is teacher-forced
 on ``tests/data/sentences.txt`` (top-1 agreement and mean KL against ours in fp32, :mod:`runtime.decoder.fidelity`;
 the floor: top-1 >= 0.95, mean KL <= 0.01). The step: 8 sequences of 200 cached positions decoding one token each,
 the decode attention and RMSNorm on their C kernels, the median of ``--steps`` steps, every mix in turn, each
@@ -50,17 +52,33 @@ def main() -> None:
     threadpool_limits(1, "blas")  # one pool at a time: the kernels' OpenMP team runs the GEMMs
     from runtime.decoder import DecoderOps, load_decoder
     from runtime.decoder.fidelity import DEFAULT_FLOOR, divergence, forced_logits
-    from runtime.decoder.kernels import DecoderKernelError, c_attention, c_rmsnorm, decoder_ops, parse_mix
+    from runtime.decoder.kernels import (
+        TOP,
+        DecoderKernelError,
+        c_attention,
+        c_lm_head_topk,
+        c_rmsnorm,
+        decoder_ops,
+        parse_mix,
+    )
 
     model = load_decoder(gguf_model(args.model))
     model.kv_dtype = np.dtype(np.float16 if args.kv_dtype == "f16" else np.float32)
     base = DecoderOps(attention=c_attention(threads=args.threads, cache=args.kv_dtype),
                       rmsnorm=c_rmsnorm())  # fmt: skip
-    mixes: dict[str, DecoderOps] = {}
+    mixes: dict[str, DecoderOps] = {}  # what each mix's steps run
+    scored: dict[str, DecoderOps] = {}  # what its fidelity is scored on
+    head = None
     for text in args.mix or DEFAULT_MIXES:
         try:
-            precision, matrices = parse_mix(text)
+            precision, matrices = parse_mix(text.removesuffix("+topk"))
             mixes[text] = decoder_ops(model, precision, matrices=matrices, threads=args.threads, base=base)  # type: ignore[arg-type]
+            scored[text] = mixes[text]
+            if text.endswith("+topk"):
+                head = head or c_lm_head_topk(model.lm_head, threads=args.threads)
+                mixes[text] = dataclasses.replace(mixes[text], lm_head_topk=head)
+                scored[text] = decoder_ops(model, precision, matrices={**matrices, "lm_head": "q8"},  # type: ignore[arg-type]
+                                           threads=args.threads, base=base)  # fmt: skip
         except DecoderKernelError as exc:
             print(f"  {text}: skipped ({exc})", file=sys.stderr)
     texts = [s for s in (ROOT / "tests/data/sentences.txt").read_text(encoding="utf-8").splitlines() if s.strip()]
@@ -68,7 +86,7 @@ def main() -> None:
     fp32 = dataclasses.replace(model, kv_dtype=np.dtype(np.float32))  # the reference: fp32 weights and cache
     reference = [forced_logits(fp32, DecoderOps())(i) for i in ids]
     scores = {}
-    for name, ops in mixes.items():
+    for name, ops in scored.items():
         kl, same = zip(*(divergence(r, forced_logits(model, ops)(i)) for r, i in zip(reference, ids, strict=True)),
                        strict=True)  # fmt: skip
         scores[name] = (float(np.concatenate(same).mean()), float(np.concatenate(kl).mean()))
@@ -81,7 +99,7 @@ def main() -> None:
             token = [[int(prompt[-1])]] * 8
             for _ in range(args.steps):
                 t0 = time.perf_counter()
-                model.forward(token, caches, ops)
+                model.forward(token, caches, ops, top=TOP if name.endswith("+topk") else 0)
                 steps[name].append(time.perf_counter() - t0)
     floor = DEFAULT_FLOOR
     positions = sum(len(i) for i in ids)

@@ -261,6 +261,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "linear_q8": "runtime.tasks.linear_q8:LinearQ8",
     "linear_q8_vnni": "runtime.tasks.linear_q8_vnni:LinearQ8Vnni",
     "lm_head_topk": "runtime.tasks.lm_head_topk:LmHeadTopk",
+    "lm_head_topk_vnni": "runtime.tasks.lm_head_topk_vnni:LmHeadTopkVnni",
     "attention_decode": "runtime.tasks.attention_decode:AttentionDecode",
     "rmsnorm": "runtime.tasks.rmsnorm:RMSNorm",
     "matmul_cuda": "runtime.tasks.matmul_cuda:MatmulCuda",

@@ -174,10 +174,10 @@ class ChatKind(ModelKind):
         if slot == "rmsnorm":
             return ["rmsnorm"], ""
         if slot == "lm_head":
-            from runtime.task import load_task_class
+            from runtime.tasks.lm_head_topk import head_task
 
-            missing = load_task_class("lm_head_topk").slot.missing(cpu_flags)  # type: ignore[union-attr]
-            return ([], f"lm_head_topk needs {' and '.join(missing)}") if missing else (["lm_head_topk"], "")
+            name = head_task(cpu_flags)
+            return ([], "the LM head's top list needs AVX2 and FMA") if name is None else ([name], "")
         if slot != "linear":
             return [], f"a chat engine has no {slot} slot (its slots: linear, attention, rmsnorm, lm_head)"
         tasks, reasons = [], []
@@ -204,7 +204,7 @@ class ChatKind(ModelKind):
         elif task == "rmsnorm":  # one thread, as the engine runs it
             args = {"rows": rows, "cols": cfg.hidden, "eps": cfg.eps, "threads": 1}
             descriptors, bins = ["vector_width"], [4]
-        elif task == "lm_head_topk":  # on the engine's team, its top list as long as the engine keeps
+        elif task.startswith("lm_head_topk"):  # on the engine's team, its top list as long as the engine keeps
             from runtime.decoder.kernels import TOP
 
             args = {"m": rows, "k": cfg.hidden, "vocab": cfg.vocab, "top": TOP, "threads": team}
@@ -285,8 +285,8 @@ def _chat_slot(task: str) -> str:
     """The chat engine's slot a built-in task's kernels fill."""
     from runtime.decoder.kernels import precision_of
 
-    if task in ("attention_decode", "rmsnorm", "lm_head_topk"):
-        return {"attention_decode": "attention", "rmsnorm": "rmsnorm", "lm_head_topk": "lm_head"}[task]
+    if task in ("attention_decode", "rmsnorm", "lm_head_topk", "lm_head_topk_vnni"):
+        return {"attention_decode": "attention", "rmsnorm": "rmsnorm"}.get(task, "lm_head")
     precision_of(task)  # a linear task of a precision the decoder runs, or a ValueError
     return "linear"
 

@@ -11,9 +11,10 @@ run, is ``invalid``; a host that does not come up ``crash``; an engine under the
 - **Fidelity.** An engine on built-in kernels only: its numerics (what runs the GEMMs, the other slots, the KV
   cache's type) teacher-forced on the task's held-out texts against the fp32 numpy engine, computed in the
   worker: top-1 agreement and mean KL must hold the task's floor (:class:`runtime.decoder.fidelity.Floor`).
-  Engines that differ only in batching or threads share the figure. An engine with an evolved kernel never runs
-  in the worker, and a top-list LM head runs only in a served step: there, the host answers the held-out texts as
-  prompts, and its answers are checked as the load's are.
+  Engines that differ only in batching or threads share the figure. A top-list LM head (``head: topk``, the
+  ``lm_head_topk`` task's built-in kernel) is teacher-forced as the q8 LM head of the linear slot, its arithmetic.
+  An engine with an evolved kernel never runs in the worker: the host answers the held-out texts as prompts, and
+  its answers are checked as the load's are.
 - **The load.** ``streams`` clients in the worker stream greedy chat completions from the host (fresh prompts
   each load, one warm-up request first), the host's processes pinned to the task's cores under the timing lock.
   Every figure is the clients' (:mod:`runtime.decoder.chat_load`); every request asks for its tokens' ids and
@@ -31,6 +32,7 @@ run, is ``invalid``; a host that does not come up ``crash``; an engine under the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import time
@@ -59,6 +61,7 @@ from runtime.decoder.chat_load import Answer, ChatLoad, LoadFailed, chat, run_lo
 from runtime.decoder.engine import ChatEngine, EngineUnfit, build, compile_engine
 from runtime.decoder.engine_task import ChatEngineTask
 from runtime.decoder.fidelity import Fidelity, fidelity, forced_logits, served_divergence
+from runtime.decoder.kernels import q8_lm_head
 from runtime.decoder.models import ModelNotFound, model_file
 from runtime.decoder.ops import DecoderOps
 from runtime.engine.kernel_runs import KernelSource
@@ -192,8 +195,7 @@ class ChatEngineProgram(Program, Profiles, Duels):
 
     def check(self, trials: int) -> dict[str, Any]:
         t0 = time.perf_counter()
-        if self.engine.kernels or self.engine.head == "topk":  # evolved kernels run only in the host, and the top
-            # list only in its steps: its answers to the held-out texts
+        if self.engine.kernels:  # evolved kernels run only in the host: its answers to the held-out texts
             try:
                 texts = self.task.check_texts()
                 load = run_load(self.host.port, texts, len(texts), _CHECK_TOKENS, ids=True, top=_TOP)
@@ -373,11 +375,14 @@ class ChatEngineBackend(Backend[ChatEngineTask]):
     def fidelity(self, task: ChatEngineTask, engine: ChatEngine, ctx: WorkerContext) -> Fidelity:
         """The numerics of ``engine`` against the fp32 engine on the task's held-out texts (computed once per
         model, texts and numerics in this worker)."""
-        key = (task.args.model, canonical_json(task.check_texts()), engine.linear, engine.slots, engine.kv_dtype)
+        key = (task.args.model, canonical_json(task.check_texts()), engine.linear, engine.slots, engine.kv_dtype,
+               engine.head)  # fmt: skip
         found = self._fidelity.get(key)
         if found is None:
             model = task.model()
             candidate = build(model, engine.model_copy(update={"threads": 1}), cache_dir=ctx.cache_dir)
+            if engine.head == "topk":  # teacher-forcing reads every logit: the top list's arithmetic gives them
+                candidate.ops = dataclasses.replace(candidate.ops, lm_head=q8_lm_head(model, cache_dir=ctx.cache_dir))
             # the candidate's model keeps its own KV cache type: an f16 cache is part of its numerics
             found = self._fidelity[key] = fidelity(model, DecoderOps(), forced_logits(candidate.model, candidate.ops),
                                                    task.check_texts())  # fmt: skip

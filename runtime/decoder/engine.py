@@ -39,6 +39,7 @@ from runtime.engine.kernel_runs import KernelSource
 from runtime.hardware import cpu_flags
 from runtime.settings import CompilerSettings
 from runtime.task import load_task_class
+from runtime.tasks.lm_head_topk import head_task
 from runtime.toolchain.cc import compile_source
 
 __all__ = ["ChatEngine", "EngineUnfit", "build", "compile_engine", "default_linear", "engine_threads", "libraries"]
@@ -109,8 +110,8 @@ class ChatEngine(BaseModel):
         cores = len(os.sched_getaffinity(0))
         if self.threads is not None and self.threads > cores:
             raise EngineUnfit("threads", f"threads {self.threads}: this process has {cores} cores (give at most that)")
-        if self.head == "topk" and (missing := load_task_class("lm_head_topk").slot.missing(cpu_flags())):  # type: ignore[union-attr]
-            raise EngineUnfit("head", f"head topk: its kernel needs {' and '.join(missing)}, which this CPU lacks")
+        if self.head == "topk" and head_task(cpu_flags()) is None:
+            raise EngineUnfit("head", "head topk: its kernels need AVX2 and FMA, which this CPU lacks")
         mix = self.mix()
         if mix is not None:
             try:
@@ -144,7 +145,6 @@ def libraries(engine: ChatEngine, kernels: Mapping[str, KernelSource] | None = N
     built-in kernel. Raises :class:`EngineUnfit` where a named kernel is not given, or cannot fill its place (an
     attention kernel evolved for another KV cache type, a linear kernel of a precision no matrix runs)."""
     from runtime.tasks.attention_decode import AttentionDecode
-    from runtime.tasks.lm_head_topk import LmHeadTopk
     from runtime.tasks.rmsnorm import RMSNorm
 
     given = dict(kernels or {})
@@ -158,7 +158,12 @@ def libraries(engine: ChatEngine, kernels: Mapping[str, KernelSource] | None = N
     mix, team = engine.mix(), engine.team()
     out: dict[str, KernelSource] = {}
     if engine.head == "topk":
-        out["lm_head"] = chosen.pop("lm_head", None) or seed_source(LmHeadTopk({"threads": team if mix else 1}))
+        head = chosen.pop("lm_head", None)
+        if head is not None and (missing := load_task_class(head.task).slot.missing(cpu_flags())):  # type: ignore[union-attr]
+            raise EngineUnfit("kernels", f"kernels.lm_head: kernel {head.id[:12]} ({head.task}) needs "
+                              f"{' and '.join(missing)}, which this CPU lacks")  # fmt: skip
+        fastest = load_task_class(head_task(cpu_flags()) or "lm_head_topk")
+        out["lm_head"] = head or seed_source(fastest({"threads": team if mix else 1}))
     elif "lm_head" in chosen:
         raise EngineUnfit("kernels", "kernels.lm_head: the engine's head is full (head: topk runs the LM head's top "
                           "list)")  # fmt: skip

@@ -103,8 +103,9 @@ def _precisions(linear: str) -> set[str]:
 
 def head_choices() -> tuple[str, ...]:
     """The LM heads this CPU runs: the full logits, and the top list where its kernel's instructions are here."""
-    spec = load_task_class("lm_head_topk").slot
-    return ("full",) if spec is None or spec.missing(cpu_flags()) else ("full", "topk")
+    from runtime.tasks.lm_head_topk import head_task
+
+    return ("full",) if head_task(cpu_flags()) is None else ("full", "topk")
 
 
 @cache

@@ -27,7 +27,7 @@ import numpy as np
 
 from genome import Genome
 from runtime.decoder.model import DecoderModel, KVCache
-from runtime.decoder.ops import DecoderOps, np_linear
+from runtime.decoder.ops import DecoderOps, np_linear, np_lm_head
 from runtime.decoder.sampling import TopLogits
 from runtime.engine.kernel_runs import KernelSource
 from runtime.hardware import cpu_flags
@@ -39,7 +39,7 @@ from runtime.toolchain.cc import CKernel, CompileError, compile_source, load_ker
 
 __all__ = ["KERNEL_SLOTS", "MATRICES", "PRECISIONS", "TOP", "DecoderKernelError", "Precision", "c_attention",
            "c_lm_head_topk", "c_rmsnorm", "decoder_ops", "linear_task", "load_source", "parse_mix", "precision_of",
-           "seed_source"]  # fmt: skip
+           "q8_lm_head", "seed_source"]  # fmt: skip
 
 Precision = Literal["fp32", "int8", "bf16", "q8"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -242,6 +242,21 @@ def decoder_ops(
     return dataclasses.replace(base, linear=linear, lm_head=lm_head)
 
 
+def q8_lm_head(model: DecoderModel, *, threads: int = 1, compiler: CompilerSettings | None = None,
+               cache_dir: str | Path | None = None) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:  # fmt: skip
+    """The ``lm_head`` slot in q8 on the linear slot's kernel: the full logits of the arithmetic the LM head's top list
+    (``lm_head_topk``) keeps the likeliest of, for a check that reads every logit."""
+    packed = _Kernels({}, threads, compiler, cache_dir).pack("q8", model.lm_head.T)
+    if packed is None:
+        raise DecoderKernelError(f"the q8 LM head runs on a hidden size that is a multiple of 32, not "
+                                 f"{model.lm_head.shape[1]}")  # fmt: skip
+
+    def lm_head(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return _run(packed, x) if w is model.lm_head else np_lm_head(x, w)
+
+    return lm_head
+
+
 def _build(task: SlotTask, genome: Genome | None, source: KernelSource | None, compiler: CompilerSettings | None,
            cache_dir: str | Path | None) -> CKernel:  # fmt: skip
     """``source`` (else ``genome`` of ``task``, default its last seed) compiled and loaded."""
@@ -287,16 +302,21 @@ def c_lm_head_topk(
     compiler: CompilerSettings | None = None,
     cache_dir: str | Path | None = None,
 ) -> Callable[[np.ndarray, np.ndarray, int], TopLogits]:
-    """The ``lm_head_topk`` slot on the ``lm_head_topk`` task's kernel (``source``, e.g. a kernel run's elite, else
-    ``genome``, default its template seed) over ``head`` ``[vocab, H]`` (quantised to q8 once, here); another
-    weight runs in numpy. Raises :class:`DecoderKernelError` for a hidden size that is not a multiple of 32."""
+    """The ``lm_head_topk`` slot on a top-list task's kernel (``source``, e.g. a kernel run's elite, else ``genome``
+    of the fastest such task this CPU runs, default its template seed) over ``head`` ``[vocab, H]`` (quantised to
+    q8 once, here); another weight runs in numpy. Raises :class:`DecoderKernelError` for a hidden size that is not
+    a multiple of 32, or a CPU without AVX2 and FMA."""
     from runtime.decoder.ops import np_lm_head_topk
-    from runtime.tasks.lm_head_topk import LmHeadTopk
+    from runtime.tasks.lm_head_topk import LmHeadTopk, head_task
 
     if head.shape[1] % 32:
         raise DecoderKernelError(f"the LM head's top list runs on a hidden size that is a multiple of 32, not "
                                  f"{head.shape[1]}")  # fmt: skip
-    task = LmHeadTopk({"threads": threads})
+    name = source.task if source is not None else head_task(cpu_flags())
+    if name is None:
+        raise DecoderKernelError("no kernel of the LM head's top list runs on this CPU: it needs AVX2 and FMA")
+    task = load_task_class(name)({"threads": threads})
+    assert isinstance(task, LmHeadTopk)
     kernel = _build(task, genome, source, compiler, cache_dir)
     packed = task.slot_pack(head)
     x0, ids0, out0, lse0 = (np.zeros((1, head.shape[1]), np.float32), np.zeros((1, 1), np.int32),

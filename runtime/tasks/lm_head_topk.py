@@ -17,12 +17,13 @@ The arithmetic is ``linear_q8``'s (:mod:`runtime.tasks.linear_q8`), W's groups o
 Checked (:meth:`LmHeadTopk.judge`): the values against the exact top values (a sorted list moves by no more than
 its largest element's error), every id's own exact logit against the value returned for it, ids distinct and in
 range, and the log-sum-exp within fp32 rounding of its terms plus ``1e-4``. So a returned list is a true top list
-up to the tolerance, whichever of two near-equal tokens it keeps. The template runs on AVX2 and FMA alone.
+up to the tolerance, whichever of two near-equal tokens it keeps. The template runs on AVX2 and FMA alone; its
+sibling ``lm_head_topk_vnni`` runs the same arithmetic on AVX512_VNNI.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ from runtime.task import Case, Descriptor, TaskArgs
 from runtime.tasks._common import load_c_source
 from runtime.tasks.linear_q8 import GROUP, quantize_groups
 
-__all__ = ["LSE_ATOL", "LmHeadTopk", "exact_logits", "pack_rows_q8"]
+__all__ = ["HEAD_TASKS", "LSE_ATOL", "LmHeadTopk", "exact_logits", "head_task", "pack_rows_q8"]
 
 _F32 = np.float32
 LSE_ATOL = 1e-4
@@ -67,6 +68,21 @@ def exact_logits(x: np.ndarray, wq: np.ndarray, w_scale: np.ndarray, magnitude: 
     if magnitude:
         a, w = np.abs(a), np.abs(w)
     return a @ w.T
+
+
+HEAD_TASKS = ("lm_head_topk_vnni", "lm_head_topk")
+"""The tasks of the LM head's top list, the fastest first."""
+
+
+def head_task(flags: Collection[str]) -> str | None:
+    """The fastest top-list task a CPU with ``flags`` runs (``None``: none)."""
+    from runtime.task import load_task_class
+
+    for name in HEAD_TASKS:
+        spec = load_task_class(name).slot
+        if spec is not None and not spec.missing(flags):
+            return name
+    return None
 
 
 def _lse(logits: np.ndarray) -> np.ndarray:
@@ -108,7 +124,7 @@ class LmHeadTopk(SlotTask):
     )
     signature = ("void kernel(int m, int vocab, int k, int top, const float *x, const int8_t *wq, "
                  "const float *w_scale, int32_t *ids, float *values, float *lse)")  # fmt: skip
-    slot = Slot("lm_head", cpu_flags=("avx2", "fma"), k_multiple=GROUP)
+    slot = Slot("lm_head", cpu_flags=("avx2", "fma"), k_multiple=GROUP, stands_in_for="lm_head_topk_vnni")
     Args = LmHeadTopkArgs
     args: LmHeadTopkArgs
     judged = ("ids",)

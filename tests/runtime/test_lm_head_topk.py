@@ -14,15 +14,20 @@ from genome import Genome
 from runtime.hardware import cpu_flags
 from runtime.tasks._common import load_c_source
 from runtime.tasks.lm_head_topk import LmHeadTopk, exact_logits
+from runtime.tasks.lm_head_topk_vnni import LmHeadTopkVnni
 
 pytestmark = pytest.mark.skipif(bool(LmHeadTopk.slot.missing(cpu_flags())), reason="this CPU has no AVX2 and FMA")
 
 
-def test_seeds_and_template_points_are_correct(tmp_path: Path) -> None:
-    task = LmHeadTopk()
+@pytest.mark.parametrize("cls", [LmHeadTopk, LmHeadTopkVnni], ids=["avx2", "vnni"])
+def test_seeds_and_template_points_are_correct(cls, tmp_path: Path) -> None:
+    """The AVX2 task on every CPU; its VNNI sibling (the same arithmetic) where the CPU has AVX512-VNNI."""
+    if missing := cls.slot.missing(cpu_flags()):
+        pytest.skip(f"this CPU has no {', '.join(missing)}: the avx2 case covers the task")
+    task = cls()
     for genome in [*task.seeds(), *random_points(task, 3, seed=2)]:
         assert_correct(task, compile_kernel(task, genome, tmp_path), np.random.default_rng(0))
-    threaded = LmHeadTopk({"threads": 2})
+    threaded = cls({"threads": 2})
     assert_correct(threaded, compile_kernel(threaded, threaded.seeds()[-1], tmp_path), np.random.default_rng(1))
 
 

@@ -8,7 +8,8 @@
  * buffer, which then feeds each row's running top list (a sorted array, entered only past its last value) and its
  * log-sum-exp (a running maximum and a sum of exp(logit - maximum) in double, 8 exps at a time). The threads'
  * lists and sums are merged at the end. A logit's arithmetic is the same in any tile, so a row's result does not
- * depend on the rows beside it. Requires k % 32 == 0, 1 <= top <= vocab, AVX2 and FMA.
+ * depend on the rows beside it. Requires k % 32 == 0, 1 <= top <= vocab, AVX2 and FMA; with USE_VNNI defined
+ * (runtime.tasks.lm_head_topk_vnni), the tile runs vpdpbusd over two groups at a time and needs AVX512F, BW and VNNI.
  *
  * Parameters (arrive as #defines):
  *   MR      rows of x a tile runs (MR * RB fp32 accumulators).
@@ -110,6 +111,48 @@ static inline void enter(row_state *st, int top, float l, int32_t id)
 }
 
 /* EVOLVE-BLOCK-START */
+#ifdef USE_VNNI
+/* Logits of R rows of x (q, row stride k; scales qs, row stride k / 32) by NB head rows (w, ws) into out (row stride
+ * BLOCK), two groups a 512-bit vector: W is negated where q is, and vpdpbusd adds |q| (u8) times it into 16 int32
+ * sums of 4 products (the first 8 of group g, the last 8 of g + 1), each scaled by its two groups' scales. */
+static inline __m512 halves(float lo, float hi)
+{
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(lo)),
+                                               _mm256_castps_pd(_mm256_set1_ps(hi)), 1));
+}
+
+static inline __attribute__((always_inline)) void tile(const int R, const int NB, int k, const int8_t *q,
+                                                       const float *qs, const int8_t *w, const float *ws, float *out)
+{
+    const int G = k / 32;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[MR][RB];
+    UNROLLED(4) for (int i = 0; i < R; i++) UNROLLED(8) for (int r = 0; r < NB; r++) acc[i][r] = _mm512_setzero_ps();
+    UNROLLED(GU) for (int g = 0; g < G; g += 2) {
+        const int pair = g + 1 < G; /* else one group left: the upper half loads zeros and scales by 0 */
+        const __mmask64 bytes = pair ? ~0ULL : 0xffffffffULL;
+        __m512i magnitude[MR];
+        __mmask64 negative[MR];
+        __m512 xs[MR];
+        UNROLLED(4) for (int i = 0; i < R; i++) {
+            const __m512i a = _mm512_maskz_loadu_epi8(bytes, q + (long)i * k + 32 * g);
+            magnitude[i] = _mm512_abs_epi8(a);
+            negative[i] = _mm512_movepi8_mask(a);
+            xs[i] = halves(qs[(long)i * G + g], pair ? qs[(long)i * G + g + 1] : 0.0f);
+        }
+        UNROLLED(8) for (int r = 0; r < NB; r++) {
+            const __m512i wv = _mm512_maskz_loadu_epi8(bytes, w + (long)r * k + 32 * g);
+            const __m512 wscale = halves(ws[(long)r * G + g], pair ? ws[(long)r * G + g + 1] : 0.0f);
+            UNROLLED(4) for (int i = 0; i < R; i++) {
+                const __m512i signed_w = _mm512_mask_sub_epi8(wv, negative[i], zero, wv);
+                const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, magnitude[i], signed_w));
+                acc[i][r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(xs[i], wscale), acc[i][r]);
+            }
+        }
+    }
+    UNROLLED(4) for (int i = 0; i < R; i++) UNROLLED(8) for (int r = 0; r < NB; r++) out[(long)i * BLOCK + r] = _mm512_reduce_add_ps(acc[i][r]);
+}
+#else
 /* Logits of R rows of x (q, row stride k; scales qs, row stride k / 32) by NB head rows (w, ws) into out (row stride
  * BLOCK). */
 static inline __attribute__((always_inline)) void tile(const int R, const int NB, int k, const int8_t *q,
@@ -137,6 +180,8 @@ static inline __attribute__((always_inline)) void tile(const int R, const int NB
     }
     UNROLLED(4) for (int i = 0; i < R; i++) UNROLLED(8) for (int r = 0; r < NB; r++) out[(long)i * BLOCK + r] = sum8(acc[i][r]);
 }
+
+#endif
 
 /* R rows' logits of n head rows from row v0 (rows: x's row tiles, then the head's; tails in passes of fewer). */
 static inline __attribute__((always_inline)) void block_rows(const int R, int n, int k, const int8_t *q,
