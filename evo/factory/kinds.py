@@ -174,10 +174,10 @@ class ChatKind(ModelKind):
         if slot == "rmsnorm":
             return ["rmsnorm"], ""
         if slot == "lm_head":
-            from runtime.tasks.lm_head_topk import head_task
+            from runtime.tasks.lm_head_topk import head_tasks
 
-            name = head_task(cpu_flags)
-            return ([], "the LM head's top list needs AVX2 and FMA") if name is None else ([name], "")
+            names = head_tasks(cpu_flags)  # each a search: which tile wins on this CPU is measured, not assumed
+            return names, "" if names else "the LM head's top list needs AVX2 and FMA"
         if slot != "linear":
             return [], f"a chat engine has no {slot} slot (its slots: linear, attention, rmsnorm, lm_head)"
         tasks, reasons = [], []

@@ -162,8 +162,8 @@ def libraries(engine: ChatEngine, kernels: Mapping[str, KernelSource] | None = N
         if head is not None and (missing := load_task_class(head.task).slot.missing(cpu_flags())):  # type: ignore[union-attr]
             raise EngineUnfit("kernels", f"kernels.lm_head: kernel {head.id[:12]} ({head.task}) needs "
                               f"{' and '.join(missing)}, which this CPU lacks")  # fmt: skip
-        fastest = load_task_class(head_task(cpu_flags()) or "lm_head_topk")
-        out["lm_head"] = head or seed_source(fastest({"threads": team if mix else 1}))
+        default = load_task_class(head_task(cpu_flags()) or "lm_head_topk")
+        out["lm_head"] = head or seed_source(default({"threads": team if mix else 1}))
     elif "lm_head" in chosen:
         raise EngineUnfit("kernels", "kernels.lm_head: the engine's head is full (head: topk runs the LM head's top "
                           "list)")  # fmt: skip

@@ -182,7 +182,35 @@ class ChatEngineTask(Task, KernelOffers):
             "threads": IntParam(type="int", low=1, high=self.cores),
             **self.kernel_genes(),
         }
-        return ParamSpace(params, [])
+        return ParamSpace(params, self.kernel_constraints())
+
+    def kernel_constraints(self) -> list[str]:
+        """What each offered kernel needs of the rest of the genome, as the space's constraints (so a mutation or a
+        crossover is repaired into an engine that runs its kernels, as :meth:`fit_kernels` fits an offer): a linear
+        kernel the GEMMs of its precision; attention and RMSNorm kernels C slots, an attention kernel the KV cache
+        type it was evolved for; a top-list kernel the top-list head."""
+        out: list[str] = []
+        for slot, ids in self.kernel_choices().items():
+            gene = f"kernel_{slot}"
+            if not ids:
+                continue
+            if slot == "linear":
+                by: dict[str, list[str]] = {}
+                for cid in ids:
+                    by.setdefault(precision_of(self.kernel_source(slot, cid).task), []).append(cid)
+                runnable = self.linear_choices()
+                out += [f"{gene} not in {sorted(c)!r} or linear == {p!r}" if p in runnable else
+                        f"{gene} not in {sorted(c)!r}" for p, c in sorted(by.items())]  # fmt: skip
+            elif slot == "lm_head":
+                out.append(f"{gene} == 'numpy' or head == 'topk'")
+            else:
+                out.append(f"{gene} == 'numpy' or slots == 'c'")
+                if slot == "attention":
+                    caches: dict[str, list[str]] = {}
+                    for cid in ids:
+                        caches.setdefault(self.kernel_source(slot, cid).args.get("cache", "fp32"), []).append(cid)
+                    out += [f"{gene} not in {sorted(c)!r} or kv_dtype == {t!r}" for t, c in sorted(caches.items())]
+        return out
 
     def seeds(self) -> list[Genome]:
         """The default engine (``evo serve --gguf``'s: fp32 C GEMMs where they run, C attention and RMSNorm), and

@@ -303,7 +303,7 @@ def c_lm_head_topk(
     cache_dir: str | Path | None = None,
 ) -> Callable[[np.ndarray, np.ndarray, int], TopLogits]:
     """The ``lm_head_topk`` slot on a top-list task's kernel (``source``, e.g. a kernel run's elite, else ``genome``
-    of the fastest such task this CPU runs, default its template seed) over ``head`` ``[vocab, H]`` (quantised to
+    of the engine's default such task on this CPU, default its template seed) over ``head`` ``[vocab, H]`` (quantised to
     q8 once, here); another weight runs in numpy. Raises :class:`DecoderKernelError` for a hidden size that is not
     a multiple of 32, or a CPU without AVX2 and FMA."""
     from runtime.decoder.ops import np_lm_head_topk

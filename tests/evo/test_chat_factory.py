@@ -49,12 +49,12 @@ def test_a_chat_factory_profiles_plans_searches_and_promotes(chat_factory: Path)
     assert profile["output_tokens"] == profile["requests"] * 12
     plan = json.loads((chat_factory / "plans" / "round-1.json").read_text())
     from runtime.hardware import cpu_flags
-    from runtime.tasks.lm_head_topk import head_task
+    from runtime.tasks.lm_head_topk import head_tasks
 
+    heads = {("lm_head", name) for name in head_tasks(cpu_flags())}  # the VNNI tile too, where it runs
     assert {(s["slot"], s["task"]) for s in plan["searches"]} == {("linear", "linear_f32"),
                                                                   ("attention", "attention_decode"),
-                                                                  ("rmsnorm", "rmsnorm"),
-                                                                  ("lm_head", head_task(cpu_flags()))}  # fmt: skip
+                                                                  ("rmsnorm", "rmsnorm"), *heads}  # fmt: skip
     kernel = yaml.safe_load((chat_factory / "configs" / "attention_decode.yaml").read_text())
     assert kernel["task"]["args"]["batch"] == 2 and kernel["task"]["args"]["head_dim"] > 0  # the decode shapes
     engine = yaml.safe_load((chat_factory / "configs" / "engine-r1.yaml").read_text())

@@ -332,3 +332,14 @@ def test_a_chat_engine_search_takes_a_kernel_runs_attention_elites(tiny_chat: Pa
     with pytest.raises(EngineUnfit, match="evolved for an fp32 KV cache"):
         engine = task.engine(Genome(params=params))
         libraries(engine, task.kernel_sources(engine))
+
+    # the space holds what the kernels need: mutation's repair and random draws give engines that run them
+    import numpy as np
+
+    space, rng = task.space(), np.random.default_rng(0)
+    assert space.violations(params)  # the wrong KV cache type for its attention kernel breaks a constraint
+    drawn = [space.repair(params, rng) for _ in range(20)] + [space.sample(rng) for _ in range(20)]
+    assert any(p["kernel_attention"] != "numpy" for p in drawn)
+    for p in drawn:
+        engine = task.engine(Genome(params=p))
+        libraries(engine, task.kernel_sources(engine))  # raises EngineUnfit for an engine that cannot run them
