@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--linear", default=None, help="the GEMMs (numpy or a C precision mix; default: the engine's)")
     ap.add_argument("--kv-dtype", choices=("fp32", "f16"), default="fp32")
     ap.add_argument("--step-tokens", type=int, default=64)
+    ap.add_argument("--head", choices=("full", "topk"), default="full", help="the LM head: full logits or the top list")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--streams", type=int, default=8, help="requests served together")
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=[32, 512], metavar=("LOW", "HIGH"))
@@ -40,7 +41,8 @@ def main() -> None:
 
     model = load_decoder(gguf_model(args.model))
     chosen = {} if args.linear is None else {"linear": args.linear}
-    engine = ChatEngine(**chosen, kv_dtype=args.kv_dtype, step_tokens=args.step_tokens, threads=args.threads)
+    engine = ChatEngine(**chosen, kv_dtype=args.kv_dtype, step_tokens=args.step_tokens, head=args.head,
+                        threads=args.threads)  # fmt: skip
     engine_threads(engine)
     decoder = build(model, engine)
     ids = model.tokenizer.encode(corpus(), add_bos=False)
