@@ -70,14 +70,15 @@ def exact_logits(x: np.ndarray, wq: np.ndarray, w_scale: np.ndarray, magnitude: 
     return a @ w.T
 
 
-HEAD_TASKS = ("lm_head_topk", "lm_head_topk_vnni")
-"""The tasks of the LM head's top list, the engine's default first: the AVX2 seed ran Gemma 3's head (8 rows of
-640 x 262,144) in 14 ms on a Zen 4 where the VNNI seed took 18 (``vpdpbusd`` on 512 bits runs at half rate there,
-and its tile pays for a horizontal sum and two scale vectors per logit); which wins elsewhere is a search's to say."""
+HEAD_TASKS = ("lm_head_topk_vnni", "lm_head_topk")
+"""The tasks of the LM head's top list, the engine's default first where the CPU runs it: the VNNI seed ran Gemma 3's
+head (8 rows of 640 x 262,144) in 12.0 ms on a Zen 4 where the AVX2 seed took 15.5 (``python bench/lm_head_topk.py
+--model gemma3``)."""
 
 
 def head_tasks(flags: Collection[str]) -> list[str]:
-    """The top-list tasks a CPU with ``flags`` runs, the engine's default first."""
+    """The top-list tasks a CPU with ``flags`` runs, the engine's default first (each is a search of a factory's
+    plan: which tile wins on a CPU is measured, not assumed)."""
     from runtime.task import load_task_class
 
     return [name for name in HEAD_TASKS if not load_task_class(name).slot.missing(flags)]  # type: ignore[union-attr]
@@ -187,7 +188,7 @@ class LmHeadTopk(SlotTask):
         if vocab > 2:
             w[vocab // 2] = w[1]
             w[vocab - 1] = 0.0
-        wq, w_scale = pack_rows_q8(w)
+        wq, w_scale = self.slot_pack(w)
         return {"x": x, "w": w, "wq": wq, "w_scale": w_scale}
 
     def outputs(self, case: Case) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -197,7 +198,7 @@ class LmHeadTopk(SlotTask):
 
     def reference(self, case: Case, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
         """The exact logits (:func:`exact_logits`), their top list (ties by id) and log-sum-exp, rounded once."""
-        logits = exact_logits(inputs["x"], inputs["wq"], inputs["w_scale"])
+        logits = exact_logits(inputs["x"], *self.head(inputs))
         order = np.argsort(-logits, axis=1, kind="stable")[:, : case["top"]]
         outputs["ids"][...] = order
         outputs["values"][...] = np.take_along_axis(logits, order, axis=1)
@@ -209,7 +210,7 @@ class LmHeadTopk(SlotTask):
         return (16 * (case["k"] / GROUP + 2) * 2.0**-24, 1e-30)
 
     def _row_scale(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
-        return exact_logits(inputs["x"], inputs["wq"], inputs["w_scale"], magnitude=True).max(axis=1)
+        return exact_logits(inputs["x"], *self.head(inputs), magnitude=True).max(axis=1)
 
     def error_scale(self, case: Case, inputs: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray],
                     ) -> Mapping[str, np.ndarray]:  # fmt: skip
@@ -230,7 +231,7 @@ class LmHeadTopk(SlotTask):
         for i, row in enumerate(ids):
             if len(np.unique(row)) != len(row):
                 return f"row {i} names a token twice in its top list"
-        logits = exact_logits(inputs["x"], inputs["wq"], inputs["w_scale"])
+        logits = exact_logits(inputs["x"], *self.head(inputs))
         own = np.take_along_axis(logits, ids.astype(np.int64), axis=1)
         rtol, atol = self.tolerance(case)
         bound = atol + rtol * self._row_scale(inputs)[:, None]
@@ -241,6 +242,10 @@ class LmHeadTopk(SlotTask):
             return (f"token {int(ids[i, j])} at row {i}, place {j} has logit {own[i, j]:.7g}, not the "
                     f"{values[i, j]:.7g} returned beside it")  # fmt: skip
         return None
+
+    def head(self, inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """The head as :func:`pack_rows_q8` lays it out (``wq``, ``w_scale``), from the kernel's inputs."""
+        return inputs["wq"], inputs["w_scale"]
 
     def slot_pack(self, w: np.ndarray) -> tuple[np.ndarray, ...]:
         """The head ``[vocab, k]`` (the model's own layout, not a GEMM's ``[k, n]``)."""

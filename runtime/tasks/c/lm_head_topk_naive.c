@@ -7,6 +7,18 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* Where value c of a head row lies: in order, or (USE_VNNI: runtime.tasks.lm_head_topk_vnni) with each pair of
+ * groups interleaved by 4-byte chunks, a last unpaired group in order. */
+static inline long at(int k, int c)
+{
+#ifdef USE_VNNI
+    const int g = c / 32, o = c % 32;
+    if (g / 2 * 64 + 64 <= k) return (long)g / 2 * 64 + 4 * (2 * (o / 4) + g % 2) + o % 4;
+#endif
+    (void)k;
+    return c;
+}
+
 void kernel(int m, int vocab, int k, int top, const float *x, const int8_t *wq, const float *w_scale, int32_t *ids,
             float *values, float *lse)
 {
@@ -32,7 +44,7 @@ void kernel(int m, int vocab, int k, int top, const float *x, const int8_t *wq, 
             float acc = 0.0f;
             for (int g = 0; g < groups; g++) {
                 int32_t dot = 0;
-                for (int c = 32 * g; c < 32 * g + 32; c++) dot += (int32_t)q[c] * wq[(long)v * k + c];
+                for (int c = 32 * g; c < 32 * g + 32; c++) dot += (int32_t)q[c] * wq[(long)v * k + at(k, c)];
                 acc += (s[g] * w_scale[(long)v * groups + g]) * (float)dot;
             }
             logits[v] = acc;

@@ -9,7 +9,8 @@
  * log-sum-exp (a running maximum and a sum of exp(logit - maximum) in double, 8 exps at a time). The threads'
  * lists and sums are merged at the end. A logit's arithmetic is the same in any tile, so a row's result does not
  * depend on the rows beside it. Requires k % 32 == 0, 1 <= top <= vocab, AVX2 and FMA; with USE_VNNI defined
- * (runtime.tasks.lm_head_topk_vnni), the tile runs vpdpbusd over two groups at a time and needs AVX512F, BW and VNNI.
+ * (runtime.tasks.lm_head_topk_vnni), the tile runs vpdpbusd over two groups at a time, on a head (and rows of x)
+ * whose pairs of groups are interleaved by 4-byte chunks, and needs AVX512F, BW and VNNI.
  *
  * Parameters (arrive as #defines):
  *   MR      rows of x a tile runs (MR * RB fp32 accumulators).
@@ -21,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -88,6 +90,19 @@ static inline void quantize_row(int k, const float *x, int8_t *q, float *s)
     }
 }
 
+#ifdef USE_VNNI
+/* A quantised row's pairs of groups with their 4-byte chunks interleaved, as the VNNI tile reads the head. */
+static inline void interleave_pairs(int k, int8_t *q)
+{
+    for (int p = 0; p + 64 <= k; p += 64) {
+        int8_t pair[64];
+        for (int c = 0; c < 8; c++)
+            for (int h = 0; h < 2; h++) memcpy(pair + 4 * (2 * c + h), q + p + 32 * h + 4 * c, 4);
+        memcpy(q + p, pair, 64);
+    }
+}
+#endif
+
 /* A row's running top list and log-sum-exp. */
 typedef struct {
     float *values;
@@ -113,12 +128,15 @@ static inline void enter(row_state *st, int top, float l, int32_t id)
 /* EVOLVE-BLOCK-START */
 #ifdef USE_VNNI
 /* Logits of R rows of x (q, row stride k; scales qs, row stride k / 32) by NB head rows (w, ws) into out (row stride
- * BLOCK), two groups a 512-bit vector: W is negated where q is, and vpdpbusd adds |q| (u8) times it into 16 int32
- * sums of 4 products (the first 8 of group g, the last 8 of g + 1), each scaled by its two groups' scales. */
-static inline __m512 halves(float lo, float hi)
+ * BLOCK), a pair of groups a 512-bit vector. x and the head come with each pair's 4-byte chunks interleaved (even
+ * chunks of the first group, odd of the second: runtime.tasks.lm_head_topk_vnni.interleave_pairs), so vpdpbusd's
+ * even int32 sums are the first group's and the odd ones the second's, and an 8-byte broadcast of the two groups'
+ * adjacent scales puts each on its lanes. W is negated where q is, and vpdpbusd adds |q| (u8) times it. */
+static inline __m512 pair_scales(const float *s)
 {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(lo)),
-                                               _mm256_castps_pd(_mm256_set1_ps(hi)), 1));
+    double both;
+    memcpy(&both, s, sizeof both);
+    return _mm512_castpd_ps(_mm512_set1_pd(both));
 }
 
 static inline __attribute__((always_inline)) void tile(const int R, const int NB, int k, const int8_t *q,
@@ -129,7 +147,7 @@ static inline __attribute__((always_inline)) void tile(const int R, const int NB
     __m512 acc[MR][RB];
     UNROLLED(4) for (int i = 0; i < R; i++) UNROLLED(8) for (int r = 0; r < NB; r++) acc[i][r] = _mm512_setzero_ps();
     UNROLLED(GU) for (int g = 0; g < G; g += 2) {
-        const int pair = g + 1 < G; /* else one group left: the upper half loads zeros and scales by 0 */
+        const int pair = g + 1 < G; /* else one group left, in its own order: the lower half, scaled by its scale */
         const __mmask64 bytes = pair ? ~0ULL : 0xffffffffULL;
         __m512i magnitude[MR];
         __mmask64 negative[MR];
@@ -138,11 +156,11 @@ static inline __attribute__((always_inline)) void tile(const int R, const int NB
             const __m512i a = _mm512_maskz_loadu_epi8(bytes, q + (long)i * k + 32 * g);
             magnitude[i] = _mm512_abs_epi8(a);
             negative[i] = _mm512_movepi8_mask(a);
-            xs[i] = halves(qs[(long)i * G + g], pair ? qs[(long)i * G + g + 1] : 0.0f);
+            xs[i] = pair ? pair_scales(qs + (long)i * G + g) : _mm512_set1_ps(qs[(long)i * G + g]);
         }
         UNROLLED(8) for (int r = 0; r < NB; r++) {
             const __m512i wv = _mm512_maskz_loadu_epi8(bytes, w + (long)r * k + 32 * g);
-            const __m512 wscale = halves(ws[(long)r * G + g], pair ? ws[(long)r * G + g + 1] : 0.0f);
+            const __m512 wscale = pair ? pair_scales(ws + (long)r * G + g) : _mm512_set1_ps(ws[(long)r * G + g]);
             UNROLLED(4) for (int i = 0; i < R; i++) {
                 const __m512i signed_w = _mm512_mask_sub_epi8(wv, negative[i], zero, wv);
                 const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, magnitude[i], signed_w));
@@ -241,7 +259,12 @@ void kernel(int m, int vocab, int k, int top, const float *x, const int8_t *wq, 
     int32_t *list_ids = malloc(sizeof(int32_t) * (size_t)most * m * top);
     float *bufs = malloc(sizeof(float) * (size_t)most * MR * BLOCK);
     if (!q || !qs || !states || !lists || !list_ids || !bufs) abort();
-    for (int i = 0; i < m; i++) quantize_row(k, x + (long)i * k, q + (long)i * k, qs + (long)i * G);
+    for (int i = 0; i < m; i++) {
+        quantize_row(k, x + (long)i * k, q + (long)i * k, qs + (long)i * G);
+#ifdef USE_VNNI
+        interleave_pairs(k, q + (long)i * k);
+#endif
+    }
     const int blocks = (vocab + BLOCK - 1) / BLOCK;
     int team = 1;
 #pragma omp parallel
