@@ -41,9 +41,9 @@ sc.cache_size = 2
 pipe = ov_genai.LLMPipeline(path, "CPU", scheduler_config=sc, INFERENCE_NUM_THREADS=threads)
 cfg = ov_genai.GenerationConfig()
 cfg.max_new_tokens = cfg.min_new_tokens = max_tokens
-pipe.generate(prompts[:1], [cfg])  # warm up (its chat template is applied to each prompt, as for ours)
+pipe.generate(prompts[:1], cfg)  # warm up (its chat template is applied to each prompt, as for ours)
 t0 = time.perf_counter()
-out = pipe.generate(prompts, [cfg] * len(prompts))
+out = pipe.generate(prompts, cfg)
 elapsed = time.perf_counter() - t0
 tok = pipe.get_tokenizer()
 written = sum(len(tok.encode(t).input_ids.data[0]) for t in out.texts)
