@@ -24,7 +24,7 @@ sibling ``lm_head_topk_vnni`` runs the same arithmetic on AVX512_VNNI.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -133,9 +133,11 @@ class LmHeadTopk(SlotTask):
     args: LmHeadTopkArgs
     judged = ("ids",)
 
+    registers: ClassVar[str] = "MR * RB + 2 * MR <= 14"  # accumulators, and each row of x's values and magnitudes
+
     def space(self) -> ParamSpace:
-        """The tile (its accumulators, W's vectors and x's fit 16 registers), the vocabulary block and the group
-        unroll."""
+        """The tile (its accumulators and what it keeps of each row of x fit the vector registers:
+        :attr:`registers`), the vocabulary block and the unroll over groups."""
         return ParamSpace(
             {
                 "MR": IntParam(type="int", low=1, high=4),
@@ -143,7 +145,7 @@ class LmHeadTopk(SlotTask):
                 "BLOCK": Pow2Param(type="pow2", low=32, high=1024),
                 "GU": Pow2Param(type="pow2", low=1, high=4),
             },
-            ["MR * RB + RB <= 14"],
+            [self.registers],
         )
 
     def template(self) -> str:

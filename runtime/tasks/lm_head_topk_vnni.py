@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from genome import Genome, IntParam, ParamSpace, Pow2Param
+from genome import Genome
 from runtime.slots import Slot
 from runtime.tasks.lm_head_topk import LmHeadTopk, LmHeadTopkArgs, pack_rows_q8
 
@@ -45,19 +45,7 @@ class LmHeadTopkVnni(LmHeadTopk):
         "it is)")  # fmt: skip
     slot = Slot("lm_head", cpu_flags=("avx512bw", "avx512_vnni"), k_multiple=32)
     Args = LmHeadTopkArgs
-
-    def space(self) -> ParamSpace:
-        """The tile (its accumulators and each x row's magnitudes, signs and scales fit 32 registers), the vocabulary
-        block and the unroll over pairs of groups."""
-        return ParamSpace(
-            {
-                "MR": IntParam(type="int", low=1, high=4),
-                "RB": IntParam(type="int", low=1, high=8),
-                "BLOCK": Pow2Param(type="pow2", low=32, high=1024),
-                "GU": Pow2Param(type="pow2", low=1, high=4),
-            },
-            ["MR * RB + 3 * MR <= 28"],
-        )
+    registers = "MR * RB + 3 * MR <= 28"  # of 32: accumulators, and each row of x's magnitudes, signs and scales
 
     def template(self) -> str:
         return "#define USE_VNNI 1\n" + super().template()
