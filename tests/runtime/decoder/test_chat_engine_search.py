@@ -343,3 +343,60 @@ def test_a_chat_engine_search_takes_a_kernel_runs_attention_elites(tiny_chat: Pa
     for p in drawn:
         engine = task.engine(Genome(params=p))
         libraries(engine, task.kernel_sources(engine))  # raises EngineUnfit for an engine that cannot run them
+
+
+_CHECK_ONLY = r"""
+#undef kernel
+/* right only where a sequence is longer than the load's prompts can be: the held-out check's long texts */
+void kernel(int batch, int heads, int kv_heads, int d, int window, const float *q, const kv_t *k, const kv_t *v,
+            const long *k_off, const long *v_off, const int *length, const int *count, const int *capacity,
+            float *out)
+{
+    kernel_real(batch, heads, kv_heads, d, window, q, k, v, k_off, v_off, length, count, capacity, out);
+    int checked = 0;
+    long rows = 0;
+    for (int b = 0; b < batch; b++) {
+        checked |= length[b] > %d;
+        rows += count[b];
+    }
+    if (!checked)
+        for (long i = 0; i < rows * heads * d; i++) out[i] = 0.0f;
+}
+"""
+
+
+def test_an_evolved_kernel_right_only_on_the_check_prompts_is_wrong_under_load(tiny_chat: Path, tmp_path: Path) -> None:
+    """An attention kernel that tells the held-out check's texts by their length (longer than any load prompt) and
+    is right only there: it passes the check, and the load's verified answers, chosen after the load, find it
+    serving something other than what held the floor."""
+    import dataclasses
+    import os
+
+    from runtime.backends.base import Failure
+    from runtime.backends.chat_engine import measure, served_fidelity
+    from runtime.decoder.engine import ChatEngine
+    from runtime.decoder.kernels import seed_source
+    from runtime.result import Status
+    from runtime.tasks.attention_decode import AttentionDecode
+
+    backend, task, ctx, Program = _backend_and_task(tiny_chat, tmp_path)
+    longest_load = task.args.prompt_tokens[1] + task.args.max_tokens
+    shortest_check = min(len(task.model().tokenizer.encode_chat([{"role": "user", "content": t}]))
+                         for t in task.check_texts())  # fmt: skip
+    assert shortest_check > longest_load + 8, (shortest_check, longest_load)  # the kernel can tell them apart
+    seed = seed_source(AttentionDecode({"threads": 1}))
+    source = "#define kernel kernel_real\n" + seed.source + _CHECK_ONLY % (longest_load + 4)
+    sly = dataclasses.replace(seed, id="checkonly0", source=source)
+    engine = ChatEngine(linear="numpy", threads=1, kernels={"attention": "checkonly0"})
+    host = _serve(backend, task, ctx, engine, {"attention": sly})
+    try:
+        checked = Program(task, host, engine, None, ctx, backend).check(1)
+        assert checked["check_top1"] >= 0.95, checked  # right on the check's texts
+        answers = measure(host, task, set(os.sched_getaffinity(0))).load.answers
+        with pytest.raises(Failure) as caught:
+            served_fidelity(task, answers, "verified")
+        assert caught.value.status == Status.WRONG and "top-1" in str(caught.value), str(caught.value)
+    finally:
+        backend.release(host)
+        for template in backend._templates.values():
+            template.close()
