@@ -242,7 +242,7 @@ def build(model: DecoderModel, engine: ChatEngine, *, kernels: Mapping[str, Kern
                           "soft-capped, or its hidden size is not a multiple of 32): use head full")  # fmt: skip
     ops = dataclasses.replace(ops, lm_head_topk=c_lm_head_topk(model.lm_head, source=parts["lm_head"],
                                                                 threads=openmp, **where))  # fmt: skip
-    return Decoder(model, ops=ops, top=TOP)
+    return Decoder(model, ops=ops, top=min(TOP, model.config.vocab))  # a list as long as a small vocabulary at most
 
 
 def engine_threads(engine: ChatEngine) -> None:
