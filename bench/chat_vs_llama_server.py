@@ -19,7 +19,8 @@ together), and the ratios to llama-server (> 1: ours more tokens/s; < 1: ours a 
 Contestants: ``evo serve --gguf`` once per ``--linear`` (numpy: fp32 weights on BLAS; int8: the linear slot's C
 kernel; see ``evo serve --help``) and per ``--ours`` (its flags as given), ``evo serve`` of each ``--served`` run
 or factory (e.g. ``follow:factories/factory_smollm2``: its promoted engine, evolved kernels in a confined
-process, on the threads its engine was searched with), and ``llama-server`` with
+process, on the threads its engine was searched with; ``promotions:FACTORY_DIR``: each engine the factory has
+promoted, so that the served engine's tokens/s against time is re-measured side by side), and ``llama-server`` with
 ``--parallel`` equal to the streams (continuous batching, its default), the file's own quantised types, a
 context of the streams' sum, and its threads set to the same count. Build llama-server from the
 ``llama-cpp-python`` sdist's vendored llama.cpp with ``bench/build_llama_server.sh``.
@@ -133,6 +134,7 @@ def load(server: Server, texts: list[str], streams: int, max_tokens: int) -> dic
 NOTES: dict[str, str] = {}
 OURS: dict[str, list[str]] = {}  # each evo serve contestant's name: its flags
 SERVED: dict[str, list[str]] = {}  # each evo serve contestant of a run or a factory: what evo serve is given
+SINCE: dict[str, float] = {}  # a factory's promoted contestant: minutes from the factory's start to its promotion
 
 
 def served_args(what: str) -> list[str]:
@@ -142,6 +144,24 @@ def served_args(what: str) -> list[str]:
         return ["--follow", what.removeprefix("follow:")]
     run_dir, _, elite = what.partition(":")
     return [run_dir, *(["--elite", elite] if elite else [])]
+
+
+def add_served(what: str) -> None:
+    """``--served WHAT`` as contestants: one, or each promotion of a factory for ``promotions:FACTORY_DIR``."""
+    if not what.startswith("promotions:"):
+        SERVED[f"evo serve {what}"] = served_args(what)
+        return
+    from archive import FactoryDir
+
+    factory = FactoryDir(Path(what.removeprefix("promotions:")))
+    promotions = factory.promotions()
+    if not promotions:
+        sys.exit(f"error: {factory.path} has promoted no engine yet: run evo factory on it first")
+    started = min(e["at"] for e in factory.events())
+    for p in promotions:
+        name = f"evo serve round {p['round']} ({p['elite'][:12]})"
+        SERVED[name] = [p["run_dir"], "--elite", p["elite"]]
+        SINCE[name] = (p["at"] - started) / 60
 
 
 def start(name: str, args: argparse.Namespace, log_dir: Path) -> Server:
@@ -202,7 +222,7 @@ def main() -> None:
     for flags in [f"--linear {x}" for x in args.linear] + args.ours:
         OURS[f"evo serve ({flags})"] = flags.split()
     for what in args.served:
-        SERVED[f"evo serve {what}"] = served_args(what)
+        add_served(what)
     names = [*OURS, *SERVED, LLAMA]
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "chat_vs_llama_server"
     log_dir.mkdir(exist_ok=True)
@@ -235,6 +255,7 @@ def main() -> None:
             x = {k: m[k] / ref[k] for k in ("tokens_per_s", "itl_p99", "ttft_p99")}
             line += (f"\n  {'':24s} vs llama-server: tokens/s x{x['tokens_per_s']:.2f}, ITL p99 x{x['itl_p99']:.2f}, "
                      f"TTFT p99 x{x['ttft_p99']:.2f}")
+        line += f"\n  {'':24s} served from {SINCE[name]:.0f} min after the factory started" if name in SINCE else ""
         print(line + (f"\n  {'':24s} {NOTES[name]}" if name in NOTES else ""))
 
 

@@ -91,6 +91,7 @@ def make_plan(round_: int, shares: Mapping[str, float], config: FactoryConfig, *
         evals = max(config.budget.min_evals, round(config.budget.kernel_evals * share / total))
         each = max(config.budget.min_evals, -(-evals // len(tasks)))
         split = f", {each} each for {' and '.join(tasks)}" if len(tasks) > 1 else ""
-        why = f"{share:.1%} of the engine's time: {evals} of the round's kernel evaluations{split}"
+        floor = " (budget.min_evals each)" if each * len(tasks) > evals else ""
+        why = f"{share:.1%} of the engine's time: {each * len(tasks)} of the round's kernel evaluations{split}{floor}"
         searches += [PlannedSearch(slot, task, each, share, why) for task in tasks]
     return Plan(round_, tuple(searches), skipped)

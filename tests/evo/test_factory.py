@@ -57,6 +57,8 @@ def test_the_plan_follows_what_each_slot_could_save():
     small = make_plan(1, profile, config.model_copy(update={"budget": config.budget.model_copy(
         update={"kernel_evals": 8})}), cpu_flags=FLAGS, hidden=384, intermediate=1536)  # fmt: skip
     assert {s.task: s.evals for s in small.searches if s.slot == "linear"} == {"linear_bf16": 4, "linear_int8": 4}
+    assert "8 of the round's kernel evaluations, 4 each for linear_bf16 and linear_int8 (budget.min_evals each)" \
+        in small.searches[0].why
     # the AVX2 siblings stand in for the AVX-512 tasks only where the CPU lacks those
     assert not {"linear_int8_avx2", "linear_f32"} & {s.task for s in plan.searches}
     plain = make_plan(1, profile, config, cpu_flags=AVX2, hidden=384, intermediate=1536)
