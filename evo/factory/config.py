@@ -81,6 +81,8 @@ class _DuelConfig(_Model):
     rounds: int = Field(3, ge=1, description="alternating load rounds of the candidate and the incumbent")
     min_gain: float = Field(0.0, ge=-1, description="promoted only when faster than the incumbent by more than this "
                                                   "(relative; below 0 accepts a loss that small)")
+    every_round: bool = Field(True, description="promoted only when ahead of the incumbent by min_gain in every "
+                              "round, not only in the median (a lucky round cannot carry the duel)")
 
 
 class PromoteConfig(_DuelConfig):

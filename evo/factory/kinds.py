@@ -65,6 +65,10 @@ class ModelKind(abc.ABC):
         factory stores: ``throughput`` (in :attr:`unit`), ``p99_ms`` (what the budget bounds), the fidelity
         figures and the ``rounds``."""
 
+    def round_throughputs(self, figures: Mapping[str, Any]) -> list[float]:
+        """The throughput of each of a duel's rounds, in order, from :meth:`figures`' ``rounds``."""
+        return [float(r["throughput"]) for r in figures.get("rounds") or []]
+
     @property
     @abc.abstractmethod
     def p99_budget_ms(self) -> float:
@@ -272,6 +276,9 @@ class ChatKind(ModelKind):
                "top1": m.get("top1", m.get("check_top1")), "kl": m.get("mean_kl", m.get("check_kl")),
                "rounds": m.get("rounds")}  # fmt: skip
         return {k: v for k, v in out.items() if v is not None}
+
+    def round_throughputs(self, figures: Mapping[str, Any]) -> list[float]:
+        return [float(r["tokens_per_s"]) for r in figures.get("rounds") or []]
 
     @property
     def p99_budget_ms(self) -> float:

@@ -26,11 +26,11 @@ from typing import Any
 
 from archive import FactoryDir, is_run
 from evo.errors import UserError
-from evo.factory.config import FactoryConfig
-from evo.factory.kinds import kind_of
+from evo.factory.config import ChatPromoteConfig, FactoryConfig, PromoteConfig
+from evo.factory.kinds import ModelKind, kind_of
 from evo.factory.measure import Measurer
 from evo.factory.plan import Plan, make_plan
-from runtime.result import Status
+from runtime.result import EvalResult, Status
 from runtime.sandbox.limits import private_dir
 
 __all__ = ["Factory"]
@@ -60,6 +60,31 @@ class _SearchProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def why_not_promoted(kind: ModelKind, promote: ChatPromoteConfig | PromoteConfig, result: EvalResult) -> str:
+    """Why a duel's ``result`` does not promote its candidate (``""``: it does). It must hold every rule, keep its
+    p99 within the budget, and beat the incumbent by more than ``promote.min_gain`` in the median and, with
+    ``promote.every_round``, in each round beside it; an incumbent that broke a rule is replaced."""
+    m, unit = result.metrics, kind.unit
+    c, i = kind.figures(m), kind.figures(m, "rival_")
+    gain = c["throughput"] / i["throughput"] - 1 if i.get("throughput") else float("inf")
+    if result.status != Status.OK:
+        floor = kind.under_floor(result) if result.status == Status.WRONG else None
+        return floor or f"the candidate lost its duel: {_failure(result)}"
+    if c["p99_ms"] > kind.p99_budget_ms:
+        return f"p99 {c['p99_ms']:.1f} ms is over the budget {kind.p99_budget_ms:g} ms"
+    if m.get("rival_failed"):
+        return ""  # the incumbent broke a rule: the candidate, which held every one, replaces it
+    if gain <= promote.min_gain:
+        return f"{c['throughput']:.1f} {unit} against the incumbent's {i['throughput']:.1f} ({gain:+.1%})"
+    lost = [(k, a, b) for k, (a, b) in enumerate(zip(kind.round_throughputs(c), kind.round_throughputs(i),
+                                                    strict=False), 1) if a <= b * (1 + promote.min_gain)]  # fmt: skip
+    if promote.every_round and lost:
+        k, a, b = lost[0]
+        return (f"{gain:+.1%} in the median, but round {k} of the duel gave {a:.1f} {unit} against the "
+                f"incumbent's {b:.1f}: not ahead in every round")
+    return ""
 
 
 def _failure(result: Any) -> str:
@@ -271,19 +296,8 @@ class Factory:
         result = self.measurer.duel(candidate, incumbent)
         m, unit = result.metrics, self.kind.unit
         c, i = self.kind.figures(m), self.kind.figures(m, "rival_")
-        budget = self.kind.p99_budget_ms
         gain = c["throughput"] / i["throughput"] - 1 if i.get("throughput") else float("inf")
-        if result.status != Status.OK:
-            floor = self.kind.under_floor(result) if result.status == Status.WRONG else None
-            why = floor or f"the candidate lost its duel: {_failure(result)}"
-        elif c["p99_ms"] > budget:
-            why = f"p99 {c['p99_ms']:.1f} ms is over the budget {budget:g} ms"
-        elif m.get("rival_failed"):
-            why = ""  # the incumbent broke a rule: the candidate, which held every one, replaces it
-        elif gain <= p.min_gain:
-            why = f"{c['throughput']:.1f} {unit} against the incumbent's {i['throughput']:.1f} ({gain:+.1%})"
-        else:
-            why = ""
+        why = why_not_promoted(self.kind, p, result)
         promoted = not why
         fidelity = {k: v for k, v in c.items() if k not in ("throughput", "p99_ms", "ttft_p99_ms", "rounds")}
         if promoted and m.get("rival_failed"):

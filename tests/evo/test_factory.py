@@ -16,9 +16,12 @@ import yaml
 from factory_testlib import evo
 
 from evo.factory.config import FactoryConfig
+from evo.factory.kinds import kind_of
 from evo.factory.plan import make_plan as plan_by_shares
 from evo.factory.plan import slot_tasks_for
+from evo.factory.run import why_not_promoted
 from runtime.engine.profile import Profile
+from runtime.result import EvalResult, Status
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "runtime" / "engine"))
@@ -39,6 +42,37 @@ def make_plan(n, profile, config, *, cpu_flags, hidden, intermediate, gains=None
     """The plan of an encoder's factory of ``hidden`` and ``intermediate`` sizes, on a CPU with ``cpu_flags``."""
     return plan_by_shares(n, profile.shares(), config, gains=gains,
                           slot_tasks=lambda slot: slot_tasks_for(slot, cpu_flags, hidden, intermediate))
+
+
+
+def _chat_duel(mine: list[float], theirs: list[float], p99_ms: float = 200.0) -> EvalResult:
+    """A chat duel's result as the backend reports it, its median and its rounds' tokens/s for each side."""
+
+    def side(rounds: list[float]) -> dict[str, object]:
+        ordered = sorted(rounds)
+        mid = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+        return {"tokens_per_s": mid, "itl_p99_ms": p99_ms, "ttft_p99_ms": 4000.0, "check_top1": 0.97,
+                "check_kl": 0.003, "rounds": [{"tokens_per_s": x, "itl_p99_ms": p99_ms} for x in rounds]}
+
+    metrics = {**side(mine), **{f"rival_{k}": v for k, v in side(theirs).items()}}
+    return EvalResult(status=Status.OK, fitness=metrics["tokens_per_s"], metrics=metrics)
+
+
+def test_a_duel_carried_by_one_lucky_round_promotes_nothing():
+    # a factory's round-2 duel on SmolLM2 (+5.5% in the median): the incumbent's first round was the faster one
+    kind = kind_of(FactoryConfig.model_validate({"model": "smollm2"}))
+    promote = kind.config.promote
+    split = _chat_duel([110.2, 104.0], [116.1, 86.8])
+    assert "+5.6% in the median, but round 1 of the duel gave 110.2 tokens/s against the incumbent's 116.1" \
+        in why_not_promoted(kind, promote, split)
+    assert why_not_promoted(kind, promote.model_copy(update={"every_round": False}), split) == ""
+    assert why_not_promoted(kind, promote, _chat_duel([120.0, 104.0], [116.1, 86.8])) == ""  # ahead in each round
+    # min_gain holds in every round too; a negative one accepts a loss that small in each
+    ahead = _chat_duel([120.0, 110.0], [116.1, 100.0])
+    assert "round 1" in why_not_promoted(kind, promote.model_copy(update={"min_gain": 0.05}), ahead)
+    assert why_not_promoted(kind, promote.model_copy(update={"min_gain": -0.1}), _chat_duel([110, 99], [116, 100])) \
+        == ""
+    assert "over the budget" in why_not_promoted(kind, promote, _chat_duel([200.0], [100.0], p99_ms=5000.0))
 
 
 def test_the_plan_follows_what_each_slot_could_save():
