@@ -25,6 +25,7 @@ class ModelKind(abc.ABC):
 
     task: ClassVar[str]  # the engine task's name
     unit: ClassVar[str]
+    memory_mb: ClassVar[int] = 4096  # the address space of the engine's worker, its host and the factory's measures
 
     def __init__(self, config: FactoryConfig) -> None:
         self.config = config
@@ -148,6 +149,9 @@ class EncoderKind(ModelKind):
 class ChatKind(ModelKind):
     task = "chat_engine"
     unit = "tokens/s"
+    # the model's fp32 weights, each slot's packed copy of them (Gemma 3's tied 262,144 x 640 head alone takes
+    # 640 MiB twice) and the KV cache
+    memory_mb = 8192
 
     def _model(self) -> Any:
         from runtime.decoder.gguf_file import GGUFFile, GGUFLoadError, read_config
@@ -245,7 +249,7 @@ class ChatKind(ModelKind):
             "search": {"seed": self.config.seed, "initial_random": 4, "workers": 1,  # a load uses every core
                        "confirm": {"repeats": self.config.budget.confirm_repeats}},
             "budget": {"max_evals": self.config.budget.engine_evals},
-            "evaluation": {"sandbox": {"timeout": 300 + 3 * self.load_seconds(), "memory_mb": 8192,
+            "evaluation": {"sandbox": {"timeout": 300 + 3 * self.load_seconds(), "memory_mb": self.memory_mb,
                                        "cpu_seconds": int((300 + 3 * self.load_seconds()) * load.threads)}},
             "archive": {"descriptors": ["itl_p99_ms", "memory_mb"], "bins": [4, 4],
                         "ranges": [[0, load.itl_p99_budget_ms], [0, 4096]]},  # type: ignore[union-attr]

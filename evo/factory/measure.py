@@ -93,7 +93,8 @@ class Measurer:
     def _settings(self, loads: int) -> EvalSettings:
         """Limits that leave room for ``loads`` load rounds (and the builds and checks around them)."""
         wall = 300.0 + 2 * loads * self.kind.load_seconds()
-        sandbox = SandboxSettings(timeout=wall, cpu_seconds=int(wall * self.config.load.threads) + 60)
+        sandbox = SandboxSettings(timeout=wall, cpu_seconds=int(wall * self.config.load.threads) + 60,
+                                  memory_mb=self.kind.memory_mb)
         return EvalSettings(sandbox=sandbox)
 
     def _evaluate(self, request: EvalRequest) -> EvalResult:

@@ -89,9 +89,10 @@ def make_plan(round_: int, shares: Mapping[str, float], config: FactoryConfig, *
     searches = []
     for slot, (tasks, share) in sorted(eligible.items(), key=lambda kv: -kv[1][1]):
         evals = max(config.budget.min_evals, round(config.budget.kernel_evals * share / total))
-        each = max(config.budget.min_evals, -(-evals // len(tasks)))
+        shared = -(-evals // len(tasks))
+        each = max(config.budget.min_evals, shared)
         split = f", {each} each for {' and '.join(tasks)}" if len(tasks) > 1 else ""
-        floor = " (budget.min_evals each)" if each * len(tasks) > evals else ""
+        floor = " (budget.min_evals each)" if each > shared else ""
         why = f"{share:.1%} of the engine's time: {each * len(tasks)} of the round's kernel evaluations{split}{floor}"
         searches += [PlannedSearch(slot, task, each, share, why) for task in tasks]
     return Plan(round_, tuple(searches), skipped)

@@ -69,16 +69,24 @@ def forced_logits(model: DecoderModel, ops: DecoderOps) -> LogitsFn:
     return logits
 
 
+_ROWS = 16  # rows of logits in float64 at a time: a 262,144-token vocabulary makes a row 2 MiB
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Per row, in float64."""
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
 def divergence(reference: np.ndarray, candidate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row of two logits arrays ``[T, vocab]``: ``KL(softmax(reference) || softmax(candidate))`` (nats, float64)
     and whether the two argmaxes agree."""
-    a, b = np.asarray(reference, np.float64), np.asarray(candidate, np.float64)
-    log_p = a - a.max(axis=-1, keepdims=True)
-    log_p -= np.log(np.exp(log_p).sum(axis=-1, keepdims=True))
-    log_q = b - b.max(axis=-1, keepdims=True)
-    log_q -= np.log(np.exp(log_q).sum(axis=-1, keepdims=True))
-    kl = np.einsum("ij,ij->i", np.exp(log_p), log_p - log_q)
-    return np.maximum(kl, 0.0), a.argmax(axis=-1) == b.argmax(axis=-1)
+    kl = np.zeros(len(reference))
+    for lo in range(0, len(reference), _ROWS):
+        log_p, log_q = _log_softmax(reference[lo : lo + _ROWS]), _log_softmax(candidate[lo : lo + _ROWS])
+        kl[lo : lo + _ROWS] = np.einsum("ij,ij->i", np.exp(log_p), log_p - log_q)
+    return np.maximum(kl, 0.0), np.asarray(reference).argmax(axis=-1) == np.asarray(candidate).argmax(axis=-1)
 
 
 def served_divergence(
@@ -94,11 +102,11 @@ def served_divergence(
     answers must be). Tokens in ``never`` (the end tokens of a request that ignores them) were never candidates
     for the answer: they are left out of both comparisons, not of the KL."""
     ruled_out = set(never)
-    a = np.asarray(reference, np.float64)
-    log_p = a - a.max(axis=-1, keepdims=True)
-    log_p -= np.log(np.exp(log_p).sum(axis=-1, keepdims=True))
     kl, contradictions = np.zeros(len(served)), 0
     for t, (token, best) in enumerate(zip(served, reported, strict=True)):
+        if t % _ROWS == 0:
+            log_p = _log_softmax(reference[t : t + _ROWS])
+        row = log_p[t % _ROWS]
         if not best:
             contradictions += 1
             continue
@@ -111,13 +119,13 @@ def served_divergence(
         eligible = [lp for i, lp in best if i not in ruled_out]
         if own is None or not eligible or own < max(eligible) - 1e-5:
             contradictions += 1
-        p_in = np.exp(log_p[t, ids])
+        p_in = np.exp(row[ids])
         q_in = np.exp(np.minimum(lq, 0.0))
         p_rest, q_rest = max(1.0 - p_in.sum(), 0.0), max(1.0 - q_in.sum(), 0.0)
-        terms = p_in * (log_p[t, ids] - np.log(np.maximum(q_in, 1e-300)))
+        terms = p_in * (row[ids] - np.log(np.maximum(q_in, 1e-300)))
         rest = p_rest * (np.log(p_rest) - np.log(max(q_rest, 1e-12))) if p_rest > 1e-12 else 0.0
         kl[t] = max(float(terms.sum() + rest), 0.0)
-    eligible = a.copy()
+    eligible = np.array(reference)  # a copy in its own type: the argmax needs no float64
     eligible[:, sorted(ruled_out)] = -np.inf
     agree = eligible.argmax(axis=-1) == np.asarray(served)
     return kl, agree, contradictions

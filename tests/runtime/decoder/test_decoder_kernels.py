@@ -193,6 +193,13 @@ def test_divergence_of_known_distributions():
     p, q = np.log([[0.5, 0.25, 0.25]]), np.log([[0.25, 0.5, 0.25]])
     kl, agree = divergence(p, q)
     assert kl[0] == pytest.approx(0.5 * np.log(2) - 0.25 * np.log(2)) and not agree[0]
+    # rows go through in blocks (a large vocabulary's rows in float64 take MiBs each): every block's rows right
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(37, 50)).astype(np.float32), rng.normal(size=(37, 50)).astype(np.float32)
+    kl, agree = divergence(a, b)
+    lp, lq = (x - np.log(np.exp(x).sum(axis=1, keepdims=True)) for x in (a.astype(np.float64), b.astype(np.float64)))
+    assert np.allclose(kl, (np.exp(lp) * (lp - lq)).sum(axis=1), rtol=1e-9)
+    assert (agree == (a.argmax(axis=1) == b.argmax(axis=1))).all() and 0 < agree.sum() < len(a)
     strict = Floor(top1=0.99, mean_kl=0.01)
     assert Fidelity(0.99, 0.01, 0.2, 10).holds(strict) and not Fidelity(0.98, 0.01, 0.2, 10).holds(strict)
     assert Fidelity(0.96, 0.004, 0.06, 10).holds() and not Fidelity(0.96, 0.011, 0.06, 10).holds()
