@@ -66,12 +66,12 @@ def why_not_promoted(kind: ModelKind, promote: ChatPromoteConfig | PromoteConfig
     """Why a duel's ``result`` does not promote its candidate (``""``: it does). It must hold every rule, keep its
     p99 within the budget, and beat the incumbent by more than ``promote.min_gain`` in the median and, with
     ``promote.every_round``, in each round beside it; an incumbent that broke a rule is replaced."""
-    m, unit = result.metrics, kind.unit
-    c, i = kind.figures(m), kind.figures(m, "rival_")
-    gain = c["throughput"] / i["throughput"] - 1 if i.get("throughput") else float("inf")
     if result.status != Status.OK:
         floor = kind.under_floor(result) if result.status == Status.WRONG else None
         return floor or f"the candidate lost its duel: {_failure(result)}"
+    m, unit = result.metrics, kind.unit
+    c, i = kind.figures(m), kind.figures(m, "rival_")
+    gain = c["throughput"] / i["throughput"] - 1 if i.get("throughput") else float("inf")
     if c["p99_ms"] > kind.p99_budget_ms:
         return f"p99 {c['p99_ms']:.1f} ms is over the budget {kind.p99_budget_ms:g} ms"
     if m.get("rival_failed"):

@@ -57,17 +57,22 @@ def pack_rows_q8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return wq.reshape(vocab, k), scale.astype(_F32)
 
 
+_HEAD_ROWS = 8192  # head rows dequantised at a time by exact_logits
+
+
 def exact_logits(x: np.ndarray, wq: np.ndarray, w_scale: np.ndarray, magnitude: bool = False) -> np.ndarray:
     """The logits ``[m, vocab]`` in float64 (of the values' magnitudes where ``magnitude``: the error scale). Each
     dequantised value ``q * s`` is exact in float64, and so nearly is each product: one BLAS GEMM."""
     q, s = quantize_groups(x)
     m, k = q.shape
-    a = q.astype(np.float64).reshape(m, k // GROUP, GROUP) * s.astype(np.float64)[:, :, None]
-    w = wq.astype(np.float64).reshape(-1, k // GROUP, GROUP) * w_scale.astype(np.float64)[:, :, None]
-    a, w = a.reshape(m, k), w.reshape(-1, k)
-    if magnitude:
-        a, w = np.abs(a), np.abs(w)
-    return a @ w.T
+    a = (q.astype(np.float64).reshape(m, k // GROUP, GROUP) * s.astype(np.float64)[:, :, None]).reshape(m, k)
+    a = np.abs(a) if magnitude else a
+    out = np.empty((m, len(wq)))
+    for lo in range(0, len(wq), _HEAD_ROWS):  # the head in float64 whole would take 1.25 GiB at Gemma 3's size
+        w = wq[lo : lo + _HEAD_ROWS].astype(np.float64).reshape(-1, k // GROUP, GROUP)
+        w = (w * w_scale[lo : lo + _HEAD_ROWS].astype(np.float64)[:, :, None]).reshape(-1, k)
+        out[:, lo : lo + _HEAD_ROWS] = a @ (np.abs(w) if magnitude else w).T
+    return out
 
 
 HEAD_TASKS = ("lm_head_topk_vnni", "lm_head_topk")

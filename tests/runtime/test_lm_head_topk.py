@@ -13,6 +13,7 @@ from test_tasks import assert_correct, compile_kernel, random_points
 from genome import Genome
 from runtime.hardware import cpu_flags
 from runtime.tasks._common import load_c_source
+from runtime.tasks.linear_q8 import GROUP, quantize_groups
 from runtime.tasks.lm_head_topk import LmHeadTopk, exact_logits
 from runtime.tasks.lm_head_topk_vnni import LmHeadTopkVnni
 
@@ -82,3 +83,17 @@ def test_the_judge_refuses_a_false_list_and_takes_equal_logits_in_either_order()
     swapped = want["ids"].copy()
     swapped[0, [0, 5]] = swapped[0, [5, 0]]
     assert "has logit" in judged(swapped)
+
+
+def test_exact_logits_go_through_the_head_in_blocks_and_match_one_product() -> None:
+    task = LmHeadTopk()
+    case = {"m": 3, "k": 64, "vocab": 20_000, "top": 8}  # three blocks of head rows, the last one short
+    inputs = task.inputs(case, np.random.default_rng(5))
+    wq, w_scale = inputs["wq"], inputs["w_scale"]
+    x = inputs["x"]
+    got = exact_logits(x, wq, w_scale)
+    q, s = quantize_groups(x)
+    a = (q.astype(np.float64).reshape(3, -1, GROUP) * s[:, :, None]).reshape(3, -1)
+    w = (wq.astype(np.float64).reshape(len(wq), -1, GROUP) * w_scale[:, :, None]).reshape(len(wq), -1)
+    assert got.shape == (3, 20_000) and np.allclose(got, a @ w.T, rtol=1e-12, atol=1e-9)
+    assert np.allclose(exact_logits(x, wq, w_scale, magnitude=True), np.abs(a) @ np.abs(w).T, rtol=1e-12, atol=1e-9)
