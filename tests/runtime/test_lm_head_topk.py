@@ -97,3 +97,16 @@ def test_exact_logits_go_through_the_head_in_blocks_and_match_one_product() -> N
     w = (wq.astype(np.float64).reshape(len(wq), -1, GROUP) * w_scale[:, :, None]).reshape(len(wq), -1)
     assert got.shape == (3, 20_000) and np.allclose(got, a @ w.T, rtol=1e-12, atol=1e-9)
     assert np.allclose(exact_logits(x, wq, w_scale, magnitude=True), np.abs(a) @ np.abs(w).T, rtol=1e-12, atol=1e-9)
+
+
+def test_the_head_is_packed_in_blocks_as_one_quantisation_would() -> None:
+    from runtime.tasks.lm_head_topk import pack_rows_q8
+
+    w = np.random.default_rng(6).normal(0, 0.05, (20_000, 64)).astype(np.float32)  # three blocks, the last short
+    w[9_000] = 0.0  # an all-zero row: scale 1
+    wq, w_scale = pack_rows_q8(w)
+    groups = w.reshape(len(w), -1, GROUP)
+    scale = np.abs(groups).max(axis=2) / np.float32(127)
+    scale[scale == 0] = 1
+    want = np.clip(np.rint(groups / scale[:, :, None]), -127, 127).astype(np.int8).reshape(len(w), -1)
+    assert np.array_equal(wq, want) and np.array_equal(w_scale, scale) and not wq[9_000].any()
