@@ -180,16 +180,20 @@ class KernelOffers(FollowsRuns):
         return ({**args, "kernels": grown}, added) if added else None
 
     def offer_seeds(self, base: Genome | None, added: Sequence[Mapping[str, Any]]) -> list[Genome]:
-        """``base`` (else the task's first seed) with the newest kernel of every slot that has one (kernels found
+        """``base`` (else :meth:`offer_start`) with the newest kernel of every slot that has one (kernels found
         for different slots are tried together: each alone may not lift an engine another slot holds back), then
         with each new kernel alone in its slot."""
-        start = dict(base.params) if base is not None else dict(self.seeds()[0].params)  # type: ignore[attr-defined]
+        start = dict((base or self.offer_start()).params)
         newest = {f"kernel_{slot}": ids[-1] for slot, ids in self.kernel_choices().items() if ids}
         for a in reversed(added):  # a slot's new kernels come fittest first: its fittest goes in together
             newest[f"kernel_{a['slot']}"] = a["id"][:16]
         together = Genome(params=self.fit_kernels({**start, **newest}))
         alone = [Genome(params=self.fit_kernels({**start, f"kernel_{a['slot']}": a["id"][:16]})) for a in added]
         return [together, *(g for g in alone if g.id != together.id)]
+
+    def offer_start(self) -> Genome:
+        """The genome offers build on while the search has no best yet (default: the task's first seed)."""
+        return self.seeds()[0]  # type: ignore[attr-defined]
 
     def fit_kernels(self, params: dict[str, Any]) -> dict[str, Any]:
         """``params`` with what its chosen kernels need of the rest of the genome (default: nothing)."""

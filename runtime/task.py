@@ -263,6 +263,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "lm_head_topk": "runtime.tasks.lm_head_topk:LmHeadTopk",
     "lm_head_topk_vnni": "runtime.tasks.lm_head_topk_vnni:LmHeadTopkVnni",
     "attention_decode": "runtime.tasks.attention_decode:AttentionDecode",
+    "attention_decode_f16": "runtime.tasks.attention_decode:AttentionDecodeF16",
     "rmsnorm": "runtime.tasks.rmsnorm:RMSNorm",
     "matmul_cuda": "runtime.tasks.matmul_cuda:MatmulCuda",
     "softmax_cuda": "runtime.tasks.softmax_cuda:SoftmaxCuda",

@@ -6,7 +6,7 @@ Two kinds of model: a BERT sentence encoder (``model_dir``, default the bundled 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -73,6 +73,10 @@ class PlanConfig(_Model):
                                     f"{', '.join(CHAT_SLOTS)})")  # fmt: skip
     precisions: list[str] = Field(default_factory=lambda: ["fp32", "q8"], description="a chat model's GEMM "
                                   "precisions whose kernels the linear slot's searches evolve (those this CPU runs)")
+    kv_dtypes: list[Literal["fp32", "f16"]] = Field(
+        default_factory=lambda: ["f16"], min_length=1,
+        description="a chat model's KV cache types whose kernels the attention slot's searches evolve (an engine "
+                    "runs an attention kernel over the cache type it was evolved for)")  # fmt: skip
     stagnation: float = Field(0.02, ge=0, description="a slot whose last search gained less (relative) is "
                                                       "not searched again")  # fmt: skip
 

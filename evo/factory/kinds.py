@@ -178,7 +178,7 @@ class ChatKind(ModelKind):
         from runtime.decoder.kernels import DecoderKernelError, linear_task
 
         if slot == "attention":
-            return ["attention_decode"], ""
+            return [_ATTENTION_TASKS[kv] for kv in self.config.plan.kv_dtypes], ""
         if slot == "rmsnorm":
             return ["rmsnorm"], ""
         if slot == "lm_head":
@@ -205,9 +205,10 @@ class ChatKind(ModelKind):
 
         cfg, load = self._model(), self.config.load
         rows, team = load.streams, load.threads  # type: ignore[union-attr]
-        if task == "attention_decode":  # on the engine's team of threads, as the engine runs it
+        if task in _ATTENTION_TASKS.values():  # on the engine's team of threads, as the engine runs it
+            kv = next(t for t, name in _ATTENTION_TASKS.items() if name == task)
             args = {"batch": rows, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                    "length": min(512, cfg.context), "window": 0, "threads": team}  # fmt: skip
+                    "length": min(512, cfg.context), "window": 0, "cache": kv, "threads": team}  # fmt: skip
             descriptors, bins = ["key_block"], [6]
         elif task == "rmsnorm":  # one thread, as the engine runs it
             args = {"rows": rows, "cols": cfg.hidden, "eps": cfg.eps, "threads": 1}
@@ -292,12 +293,18 @@ class ChatKind(ModelKind):
         return f"top-1 {figures.get('top1', float('nan')):.4f} and mean KL {figures.get('kl', float('nan')):.5f} nats"
 
 
+# the attention task whose kernels run over each KV cache type
+_ATTENTION_TASKS = {"fp32": "attention_decode", "f16": "attention_decode_f16"}
+
+
 def _chat_slot(task: str) -> str:
     """The chat engine's slot a built-in task's kernels fill."""
     from runtime.decoder.kernels import precision_of
 
-    if task in ("attention_decode", "rmsnorm", "lm_head_topk", "lm_head_topk_vnni"):
-        return {"attention_decode": "attention", "rmsnorm": "rmsnorm"}.get(task, "lm_head")
+    if task in _ATTENTION_TASKS.values():
+        return "attention"
+    if task in ("rmsnorm", "lm_head_topk", "lm_head_topk_vnni"):
+        return {"rmsnorm": "rmsnorm"}.get(task, "lm_head")
     precision_of(task)  # a linear task of a precision the decoder runs, or a ValueError
     return "linear"
 

@@ -16,6 +16,8 @@ that share it cost each other time, never accuracy.
 from __future__ import annotations
 
 import ctypes
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,7 +56,21 @@ class _SearchProcess:
     def wait(self) -> None:
         code = self.proc.wait()
         if code != 0:
-            raise RuntimeError(f"evo run {self.cmd[4]} ended {code}: see {self.log}")
+            raise RuntimeError(f"evo run {self.cmd[4]} ended {code}{self._why()}: see {self.log}")
+
+    def _why(self) -> str:
+        """The last error its log shows (an internal error's exception, a user error's line), briefly."""
+        try:
+            with self.log.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 20000))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            line = line.strip()
+            if re.match(r"(error: |[\w.]+(Error|Exception|Exit)\b)", line):
+                return f" ({line[:300]})"
+        return ""
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -35,6 +35,11 @@ from runtime.task import Descriptor, Task, TaskArgs, load_task_class
 __all__ = ["ChatEngineArgs", "ChatEngineTask", "runnable_precisions"]
 
 
+# the tokens per step the space offers: a step's prompt chunk sets the inter-token latency of every stream decoding
+# beside it, so the short end is fine-grained (24-token steps held SmolLM2's p99 under llama-server's at 8 streams)
+STEP_TOKENS = (16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
 class ChatEngineArgs(TaskArgs, KernelOfferArgs):
     """The model, the load an engine is measured under, its budgets and its fidelity floor."""
 
@@ -57,7 +62,7 @@ class ChatEngineArgs(TaskArgs, KernelOfferArgs):
     kv_cache_mb: float = Field(2048.0, gt=0, description="the KV cache budget of the running requests")
     reference_every_s: float = Field(300.0, ge=0, description="re-measure the default engine (vs_reference's base) "
                                      "once its figures are older than this; 0: before every candidate")  # fmt: skip
-    max_step_tokens: int = Field(256, ge=16, description="largest step_tokens the space offers (a power of two)")
+    max_step_tokens: int = Field(256, ge=16, description="largest step_tokens the space offers")
     precisions: list[str] | None = Field(None, description="what the linear gene may choose besides numpy "
                                          "(default: every precision with a kernel this CPU runs)")  # fmt: skip
     seed: int = Field(0, description="seed of the held-out texts")
@@ -177,7 +182,7 @@ class ChatEngineTask(Task, KernelOffers):
             "slots": ChoiceParam(type="choice", values=("c", "numpy")),
             "kv_dtype": ChoiceParam(type="choice", values=("fp32", "f16")),
             "head": ChoiceParam(type="choice", values=head_choices()),
-            "step_tokens": Pow2Param(type="pow2", low=16, high=1 << (a.max_step_tokens.bit_length() - 1)),
+            "step_tokens": ChoiceParam(type="choice", values=tuple(t for t in STEP_TOKENS if t <= a.max_step_tokens)),
             "max_running": Pow2Param(type="pow2", low=1, high=running),
             "threads": IntParam(type="int", low=1, high=self.cores),
             **self.kernel_genes(),
@@ -213,22 +218,38 @@ class ChatEngineTask(Task, KernelOffers):
         return out
 
     def seeds(self) -> list[Genome]:
-        """The default engine (``evo serve --gguf``'s: fp32 C GEMMs where they run, C attention and RMSNorm), and
-        with q8 kernels, an f16 cache and the LM head's top list where they run here (the fastest engine measured on
-        SmolLM2 that holds the floor)."""
+        """The default engine (``evo serve --gguf``'s: fp32 C GEMMs where they run, C attention and RMSNorm); with
+        q8 kernels, an f16 cache, 24-token steps and the LM head's top list where they run here (the fastest engine
+        measured by hand on SmolLM2 that holds the floor); and that one on the first kernel offered in each slot."""
+        base = self._default()
+        fast = self._fast(base)
+        choices = self.kernel_choices()
+        seeds = [base] if fast is None else [base, fast]
+        if any(choices.values()):
+            offered = {f"kernel_{s}": ids[0] for s, ids in choices.items() if ids}
+            seeds.append(self.fit_kernels({**(fast or base), **offered}))
+        return [Genome(params=p) for p in seeds]
+
+    def _default(self) -> dict[str, Any]:
         running = self.space().params["max_running"].high  # type: ignore[attr-defined]
         base = ChatEngine(threads=self.cores, max_running=min(64, running)).model_dump()
         base.pop("kernels")
         if base["linear"] not in self.linear_choices():  # the task's precisions leave the default out
             base["linear"] = "numpy"
-        choices = self.kernel_choices()
-        base.update({f"kernel_{slot}": "numpy" for slot in choices})
-        seeds = [base]
-        if "q8" in self.linear_choices():
-            seeds.append({**base, "linear": "q8", "kv_dtype": "f16", "step_tokens": 32, "head": head_choices()[-1]})
-        if any(choices.values()):
-            seeds.append(self.fit_kernels({**base, **{f"kernel_{s}": ids[0] for s, ids in choices.items() if ids}}))
-        return [Genome(params=p) for p in seeds]
+        return {**base, **{f"kernel_{slot}": "numpy" for slot in self.kernel_choices()}}
+
+    def _fast(self, base: dict[str, Any]) -> dict[str, Any] | None:
+        """``base`` as the hand-tuned engine runs: q8 GEMMs, an f16 cache, 24-token steps, the top-list head
+        (``None`` where this CPU has no q8 kernel, or the task's precisions leave q8 out)."""
+        if "q8" not in self.linear_choices():
+            return None
+        return {**base, "linear": "q8", "kv_dtype": "f16", "step_tokens": 24, "head": head_choices()[-1]}
+
+    def offer_start(self) -> Genome:
+        """The hand-tuned engine where it runs (offers made before anything is measured build on the fastest engine
+        known), else the default one."""
+        base = self._default()
+        return Genome(params=self._fast(base) or base)
 
     def fit_kernels(self, params: dict[str, Any]) -> dict[str, Any]:
         """``params`` with the rest of the engine set to what its chosen kernels run: C slots and the KV cache

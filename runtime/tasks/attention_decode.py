@@ -28,7 +28,7 @@ from runtime.slots import Slot, SlotTask
 from runtime.task import Case, Descriptor, TaskArgs
 from runtime.tasks._common import load_c_source
 
-__all__ = ["AttentionDecode", "cache_layout"]
+__all__ = ["AttentionDecode", "AttentionDecodeF16", "cache_layout"]
 
 
 class AttentionDecodeArgs(TaskArgs):
@@ -210,3 +210,17 @@ class AttentionDecode(SlotTask):
             "key_block": Descriptor("key_block", "KBLOCK: keys scored before each softmax update",
                                     lambda g, m: float(g.params.get("KBLOCK", 1)), 0.0, 128.0),  # fmt: skip
         }
+
+
+class AttentionDecodeF16Args(AttentionDecodeArgs):
+    cache: Literal["fp32", "f16"] = Field("f16", description="the KV cache's type (the arithmetic is fp32)")
+
+
+class AttentionDecodeF16(AttentionDecode):
+    """``attention_decode`` over an f16 KV cache: the same task under its own name, so that a factory searches the
+    kernels of both cache types side by side, each in a run of its own."""
+
+    name = "attention_decode_f16"
+    description = AttentionDecode.description.replace("over its KV cache", "over its f16 KV cache")
+    Args = AttentionDecodeF16Args
+    args: AttentionDecodeF16Args

@@ -56,6 +56,12 @@ def _processes_naming(path: Path) -> list[str]:
     return out
 
 
+def _logs_named(text: str, logs: Path) -> str:
+    """The ends of the search logs ``text`` names (where a failed factory says to look)."""
+    return "".join(f"\n--- {log}:\n{log.read_text(errors='replace')[-4000:]}" for log in sorted(logs.glob("*.log"))
+                   if str(log) in text)  # fmt: skip
+
+
 @dataclass
 class Probe:
     """The probing GELU's marker file (it writes what it saw there, when it can write) and its listener."""
@@ -115,7 +121,7 @@ def killed_and_resumed_factory(tmp: Path, probe: Probe) -> Path:
     assert not (out / "duels" / "round-1.json").exists()
     searched = {p.parent.name: p.read_text() for p in (out / "runs").glob("*/factory-rounds.json")}
     resumed = evo("factory", "factory.yaml", "--dir", str(out), "--resume", cwd=tmp, env=env)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, resumed.stderr[-3000:] + _logs_named(resumed.stderr, out / "logs")
     for task, rounds in searched.items():  # the kernel searches that were done: not run again
         assert (out / "runs" / task / "factory-rounds.json").read_text() == rounds
     return out

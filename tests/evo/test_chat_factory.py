@@ -53,10 +53,11 @@ def test_a_chat_factory_profiles_plans_searches_and_promotes(chat_factory: Path)
 
     heads = {("lm_head", name) for name in head_tasks(cpu_flags())}  # the VNNI tile too, where it runs
     assert {(s["slot"], s["task"]) for s in plan["searches"]} == {("linear", "linear_f32"),
-                                                                  ("attention", "attention_decode"),
+                                                                  ("attention", "attention_decode_f16"),
                                                                   ("rmsnorm", "rmsnorm"), *heads}  # fmt: skip
-    kernel = yaml.safe_load((chat_factory / "configs" / "attention_decode.yaml").read_text())
+    kernel = yaml.safe_load((chat_factory / "configs" / "attention_decode_f16.yaml").read_text())
     assert kernel["task"]["args"]["batch"] == 2 and kernel["task"]["args"]["head_dim"] > 0  # the decode shapes
+    assert kernel["task"]["args"]["cache"] == "f16"  # plan.kv_dtypes' default: the cache the fastest engines run
     engine = yaml.safe_load((chat_factory / "configs" / "engine-r1.yaml").read_text())
     assert engine["task"]["name"] == "chat_engine" and set(engine["task"]["args"]["kernels"]) == {
         "linear", "attention", "rmsnorm", "lm_head"}

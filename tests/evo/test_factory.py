@@ -264,3 +264,20 @@ def test_a_search_that_ended_unsaid_is_said_once_when_the_round_resumes(tmp_path
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(e["event"], e["round"], e["task"], e["before"], e["after"]) for e in events] == [
         ("searched", 1, "gelu", 2.0, 3.0)]  # fmt: skip
+
+
+def test_a_search_that_fails_says_why_in_the_factorys_error(tmp_path):
+    """A kernel search that ends in an error: the factory's error carries the search's own last error line, not
+    only where its log is."""
+    from evo.factory.run import _SearchProcess
+
+    log = tmp_path / "gelu.log"
+    search = _SearchProcess([sys.executable, "-m", "evo", "run", str(tmp_path / "gone.yaml")], log)
+    with pytest.raises(RuntimeError) as failed:
+        search.wait()
+    assert f"evo run {tmp_path / 'gone.yaml'} ended 2 (error: config file not found" in str(failed.value)
+    assert str(log) in str(failed.value)
+    crashed = _SearchProcess([sys.executable, "-c", "import sqlite3; raise sqlite3.OperationalError('locked')",
+                              "run", "crash.yaml"], tmp_path / "crash.log")  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"ended 1 \(sqlite3.OperationalError: locked\)"):
+        crashed.wait()

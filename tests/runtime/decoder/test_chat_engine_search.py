@@ -31,6 +31,22 @@ def _args(model: Path, **more: object) -> dict[str, object]:
             "max_tokens": 12, "check_texts": 2, "verified": 2, **more}  # fmt: skip
 
 
+def test_offers_build_on_the_hand_tuned_engine_where_its_kernels_run(tiny_chat: Path) -> None:
+    """Kernels offered before anything is measured go onto the hand-tuned engine (q8 GEMMs, an f16 cache, 24-token
+    steps, the top-list head), a seed in the space; with no q8 kernel to run, onto the default engine."""
+    from runtime.decoder.engine_task import ChatEngineTask, head_choices
+
+    task = ChatEngineTask(_args(tiny_chat))
+    start = task.offer_start().params
+    assert 24 in task.space().params["step_tokens"].values()
+    if "q8" in task.linear_choices():  # a q8 kernel runs on every x86-64-v3 CPU
+        assert (start["linear"], start["kv_dtype"], start["step_tokens"], start["head"]) == (
+            "q8", "f16", 24, head_choices()[-1])  # fmt: skip
+        assert start in [g.params for g in task.seeds()] and not task.space().violations(start)
+    fp32 = ChatEngineTask(_args(tiny_chat, precisions=["fp32"]))
+    assert fp32.offer_start().params == fp32.seeds()[0].params and fp32.seeds()[0].params["linear"] != "q8"
+
+
 def test_a_chat_engine_search_measures_each_engine_as_served(tiny_chat: Path, tmp_path: Path) -> None:
     """`evo run` of a chat_engine config: the seeds and a random engine are served, loaded and verified; the best
     is confirmed; every figure is there with its unit, and the winner renders as the settings /admin/engine takes."""
