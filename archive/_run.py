@@ -114,10 +114,20 @@ class Run:
         if run_db(path).exists():
             raise RunExists(f"{path} already holds a run")
         private_dir(path)
+        # made whole under another name, then renamed into place: a process killed while it creates the run
+        # leaves no store without its config, which --resume could not continue
+        staging = path / ".archive.db.new"
+        for leftover in (staging, *(staging.with_name(staging.name + s) for s in ("-wal", "-shm"))):
+            leftover.unlink(missing_ok=True)
+        staged = Store(staging)
+        try:
+            staged.set_metas({CONFIG_KEY: config_text, SYS_PATH_KEY: json.dumps([p for p in sys_path if p])})
+        finally:
+            staged.close()
+        (path / "config.yaml").write_text(config_text)
+        os.replace(staging, run_db(path))
         store = Store(run_db(path))
         try:
-            store.set_metas({CONFIG_KEY: config_text, SYS_PATH_KEY: json.dumps([p for p in sys_path if p])})
-            (path / "config.yaml").write_text(config_text)
             run = cls(path, store, task=task)
         except BaseException:
             store.close()

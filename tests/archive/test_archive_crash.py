@@ -88,3 +88,40 @@ def test_kill_9_inside_a_transaction_rolls_it_back(tmp_path: Path) -> None:
         assert store.count() == 41
         (last,) = store.pending()  # the 41st candidate: its uncommitted result is gone
         assert last.params == {"i": 40} and last.fitness is None
+
+
+# Creates runs in new directories, one after another, printing each directory once it is created.
+CREATOR = """
+import sys
+from pathlib import Path
+from archive import Run
+for i in range(10_000):
+    Run.create(Path(sys.argv[1]) / str(i), config_text="task: {name: matmul}\\n").close()
+    print(i, flush=True)
+"""
+
+
+def test_a_run_killed_while_it_is_created_is_whole_or_absent(tmp_path: Path) -> None:
+    """kill -9 at any moment of ``Run.create``: a directory holds no store, or one with its config (which
+    ``--resume`` continues), and a new run can still be created where the cut one was."""
+    from archive import Run, StoreError, is_run
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for delay in [0.3 + 0.02 * k for k in range(15)]:
+        root = tmp_path / f"d{delay:.2f}"
+        proc = subprocess.Popen([sys.executable, "-c", CREATOR, str(root)], env=env, stdout=subprocess.PIPE)
+        try:
+            proc.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        for run_dir in root.glob("*") if root.exists() else ():
+            if is_run(run_dir):
+                try:
+                    with Run.open(run_dir) as run:
+                        assert "matmul" in run.config_text
+                except StoreError as exc:
+                    raise AssertionError(f"{run_dir}: a store without its config after kill -9: {exc}") from None
+            else:
+                Run.create(run_dir, config_text="task: {name: matmul}\n").close()
+                assert is_run(run_dir)
