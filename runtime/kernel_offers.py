@@ -180,16 +180,25 @@ class KernelOffers(FollowsRuns):
         return ({**args, "kernels": grown}, added) if added else None
 
     def offer_seeds(self, base: Genome | None, added: Sequence[Mapping[str, Any]]) -> list[Genome]:
-        """``base`` (else :meth:`offer_start`) with the newest kernel of every slot that has one (kernels found
-        for different slots are tried together: each alone may not lift an engine another slot holds back), then
-        with each new kernel alone in its slot."""
+        """``base`` (else :meth:`offer_start`) with a kernel in every slot that has one (kernels found for
+        different slots are tried together: each alone may not lift an engine another slot holds back), then with
+        each new kernel alone in its slot. Together, a slot gets its fittest new kernel, else its newest one, the
+        first of them that runs in ``base`` as it is (:meth:`fit_kernels` changes nothing else), else the first."""
         start = dict((base or self.offer_start()).params)
-        newest = {f"kernel_{slot}": ids[-1] for slot, ids in self.kernel_choices().items() if ids}
-        for a in reversed(added):  # a slot's new kernels come fittest first: its fittest goes in together
-            newest[f"kernel_{a['slot']}"] = a["id"][:16]
-        together = Genome(params=self.fit_kernels({**start, **newest}))
+        together = dict(start)
+        for slot, ids in self.kernel_choices().items():
+            new = [a["id"][:16] for a in added if a["slot"] == slot]  # fittest first
+            ranked = [*new, *(cid for cid in reversed(ids) if cid not in new)]
+            if ranked:
+                together[f"kernel_{slot}"] = next((c for c in ranked if self._keeps(start, slot, c)), ranked[0])
+        together = Genome(params=self.fit_kernels(together))
         alone = [Genome(params=self.fit_kernels({**start, f"kernel_{a['slot']}": a["id"][:16]})) for a in added]
         return [together, *(g for g in alone if g.id != together.id)]
+
+    def _keeps(self, params: Mapping[str, Any], slot: str, cid: str) -> bool:
+        """Whether kernel ``cid`` runs in ``slot`` of ``params`` with nothing else of it changed."""
+        given = {**params, f"kernel_{slot}": cid}
+        return self.fit_kernels(dict(given)) == given
 
     def offer_start(self) -> Genome:
         """The genome offers build on while the search has no best yet (default: the task's first seed)."""

@@ -47,6 +47,36 @@ def test_offers_build_on_the_hand_tuned_engine_where_its_kernels_run(tiny_chat: 
     assert fp32.offer_start().params == fp32.seeds()[0].params and fp32.seeds()[0].params["linear"] != "q8"
 
 
+def test_kernels_offered_together_keep_the_best_engines_precision_and_cache(tiny_chat: Path, tmp_path: Path) -> None:
+    """Offered together onto the hand-tuned engine, a slot's kernel is one that runs in it as it is (the q8 GEMM
+    kernel, not a newer fp32 one; the f16 cache's attention kernel); alone, each kernel gets the engine it needs."""
+    from runtime.decoder.engine_task import ChatEngineTask
+    from runtime.decoder.kernels import linear_task
+
+    def run(name: str, task: str, cid: str, **args: object) -> dict[str, object]:
+        return {"run_dir": str(tmp_path / name), "follow": True, "ids": [cid],
+                "offered": {cid: {"source": "/* kernel */", "flags": [], "task": task, "args": args}}}  # fmt: skip
+
+    q8, f32, f16, fp32 = ("1" * 64, "2" * 64, "3" * 64, "4" * 64)
+    kernels = {"linear": [run("q8", linear_task("q8"), q8), run("f32", "linear_f32", f32)],
+               "attention": [run("f16", "attention_decode_f16", f16, cache="f16"),
+                             run("fp32", "attention_decode", fp32, cache="fp32")]}  # fmt: skip
+    task = ChatEngineTask(_args(tiny_chat, kernels=kernels))
+    start = task.offer_start().params
+    if start["linear"] != "q8":
+        pytest.skip("no q8 kernel runs on this CPU (the hand-tuned engine is the default one)")
+    added = [{"slot": "linear", "id": f32}, {"slot": "attention", "id": fp32}]  # the newest: fp32 GEMMs and cache
+    together, *alone = task.offer_seeds(None, added)
+    kept = {k: together.params[k] for k in ("linear", "kv_dtype", "step_tokens", "kernel_linear", "kernel_attention")}
+    assert kept == {"linear": "q8", "kv_dtype": "f16", "step_tokens": 24, "kernel_linear": q8[:16],
+                    "kernel_attention": f16[:16]}  # fmt: skip
+    by_kernel = {(g.params["kernel_linear"], g.params["kernel_attention"]): g.params for g in alone}
+    assert by_kernel[(f32[:16], "numpy")]["linear"] == "fp32"  # alone, the fp32 GEMM kernel gets fp32 GEMMs
+    assert by_kernel[("numpy", fp32[:16])]["kv_dtype"] == "fp32"
+    for g in (together, *alone):
+        assert task.space().violations(g.params) == []
+
+
 def test_a_chat_engine_search_measures_each_engine_as_served(tiny_chat: Path, tmp_path: Path) -> None:
     """`evo run` of a chat_engine config: the seeds and a random engine are served, loaded and verified; the best
     is confirmed; every figure is there with its unit, and the winner renders as the settings /admin/engine takes."""
