@@ -355,7 +355,10 @@ def c_attention(
     the addresses a cache keeps), of ``cache``'s type (``fp32`` or ``f16``; a cache of another is a ValueError)."""
     from runtime.tasks.attention_decode import AttentionDecode
 
-    task = AttentionDecode({"threads": threads, "cache": cache})
+    cls = load_task_class(source.task) if source is not None and source.task else AttentionDecode
+    if not issubclass(cls, AttentionDecode):
+        raise DecoderKernelError(f"a {source.task} kernel cannot fill the attention slot")  # type: ignore[union-attr]
+    task = cls({"threads": threads, "cache": cache})  # the task of each cache type renders the kernel for either
     kernel = _build(task, genome, source, compiler, cache_dir)
     dtype = np.dtype(np.float16 if cache == "f16" else np.float32)
     one, index, ints = np.zeros((1, 1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int32)

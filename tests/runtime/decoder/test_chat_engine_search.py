@@ -321,12 +321,15 @@ def test_an_evolved_kernel_in_a_chat_host_cannot_open_a_socket_write_a_file_or_s
             template.close()
 
 
-def test_a_chat_engine_search_takes_a_kernel_runs_attention_elites(tiny_chat: Path, tmp_path: Path) -> None:
-    """An attention_decode run, then a chat_engine search offered its elite (`kernels: {attention: ...}`): the
-    engine with the evolved kernel is served and measured, its check read from its host's answers (never run in
-    the worker), and an engine naming a kernel of the wrong KV cache type is invalid."""
-    kernels = {"task": {"name": "attention_decode", "args": {"batch": 2, "heads": 4, "kv_heads": 2, "head_dim": 16,
-                                                               "length": 48, "threads": 1}},
+@pytest.mark.parametrize(("kernel_task", "cache", "other"), [("attention_decode", "fp32", "f16"),
+                                                              ("attention_decode_f16", "f16", "fp32")])
+def test_a_chat_engine_search_takes_a_kernel_runs_attention_elites(tiny_chat: Path, tmp_path: Path, kernel_task: str,
+                                                                   cache: str, other: str) -> None:  # fmt: skip
+    """An attention run (over either KV cache type), then a chat_engine search offered its elite (`kernels:
+    {attention: ...}`): the engine with the evolved kernel is served and measured, its check read from its host's
+    answers (never run in the worker), and an engine naming a kernel of the wrong KV cache type is invalid."""
+    kernels = {"task": {"name": kernel_task, "args": {"batch": 2, "heads": 4, "kv_heads": 2, "head_dim": 16,
+                                                      "length": 48, "threads": 1}},
                "search": {"workers": 1, "initial_random": 1}, "budget": {"max_evals": 3},
                "archive": {"kind": "grid", "descriptors": ["key_block"], "bins": [6]},
                "memory": {"enabled": False}}  # fmt: skip
@@ -374,8 +377,9 @@ def test_a_chat_engine_search_takes_a_kernel_runs_attention_elites(tiny_chat: Pa
 
     args = json.loads(json.dumps(yaml.safe_load((tmp_path / "chat" / "config.yaml").read_text())["task"]["args"]))
     task = ChatEngineTask(args)
-    params = {**task.seeds()[-1].params, "kv_dtype": "f16"}
-    with pytest.raises(EngineUnfit, match="evolved for an fp32 KV cache"):
+    assert task.seeds()[-1].params["kv_dtype"] == cache and evolved["params"]["kv_dtype"] == cache
+    params = {**task.seeds()[-1].params, "kv_dtype": other}
+    with pytest.raises(EngineUnfit, match=f"evolved for an {cache} KV cache"):
         engine = task.engine(Genome(params=params))
         libraries(engine, task.kernel_sources(engine))
 
