@@ -182,8 +182,10 @@ class KernelOffers(FollowsRuns):
     def offer_seeds(self, base: Genome | None, added: Sequence[Mapping[str, Any]]) -> list[Genome]:
         """``base`` (else :meth:`offer_start`) with a kernel in every slot that has one (kernels found for
         different slots are tried together: each alone may not lift an engine another slot holds back), then with
-        each new kernel alone in its slot. Together, a slot gets its fittest new kernel, else its newest one, the
-        first of them that runs in ``base`` as it is (:meth:`fit_kernels` changes nothing else), else the first."""
+        each new kernel alone in its slot where it runs in ``base`` as it is (:meth:`fit_kernels` changes nothing
+        else: one that needs another engine is a choice of the space, not worth an evaluation of its own on it).
+        Together, a slot gets the first of its new kernels (fittest first), then its older ones (newest first),
+        that runs in ``base`` as it is, else its fittest new one."""
         start = dict((base or self.offer_start()).params)
         together = dict(start)
         for slot, ids in self.kernel_choices().items():
@@ -192,7 +194,8 @@ class KernelOffers(FollowsRuns):
             if ranked:
                 together[f"kernel_{slot}"] = next((c for c in ranked if self._keeps(start, slot, c)), ranked[0])
         together = Genome(params=self.fit_kernels(together))
-        alone = [Genome(params=self.fit_kernels({**start, f"kernel_{a['slot']}": a["id"][:16]})) for a in added]
+        alone = [Genome(params={**start, f"kernel_{a['slot']}": a["id"][:16]}) for a in added
+                 if self._keeps(start, a["slot"], a["id"][:16])]  # fmt: skip
         return [together, *(g for g in alone if g.id != together.id)]
 
     def _keeps(self, params: Mapping[str, Any], slot: str, cid: str) -> bool:
