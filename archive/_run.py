@@ -114,18 +114,28 @@ class Run:
         if run_db(path).exists():
             raise RunExists(f"{path} already holds a run")
         private_dir(path)
-        # made whole under another name, then renamed into place: a process killed while it creates the run
-        # leaves no store without its config, which --resume could not continue
-        staging = path / ".archive.db.new"
-        for leftover in (staging, *(staging.with_name(staging.name + s) for s in ("-wal", "-shm"))):
+        # made whole under a name of this process's, then linked into place: a process killed while it creates the
+        # run leaves no store without its config (which --resume could not continue), and of two creating one
+        # run at once, the second gets RunExists
+        staging = path / f".archive.db.{os.getpid()}"
+        leftovers = (staging, *(staging.with_name(staging.name + s) for s in ("-wal", "-shm")))
+        for leftover in leftovers:
             leftover.unlink(missing_ok=True)
-        staged = Store(staging)
         try:
-            staged.set_metas({CONFIG_KEY: config_text, SYS_PATH_KEY: json.dumps([p for p in sys_path if p])})
+            staged = Store(staging)
+            try:
+                staged.set_metas({CONFIG_KEY: config_text, SYS_PATH_KEY: json.dumps([p for p in sys_path if p])})
+                staged.checkpoint()  # everything in the file itself: its WAL is not linked with it
+            finally:
+                staged.close()
+            try:
+                os.link(staging, run_db(path))
+            except FileExistsError:
+                raise RunExists(f"{path} already holds a run") from None
         finally:
-            staged.close()
+            for leftover in leftovers:
+                leftover.unlink(missing_ok=True)
         (path / "config.yaml").write_text(config_text)
-        os.replace(staging, run_db(path))
         store = Store(run_db(path))
         try:
             run = cls(path, store, task=task)

@@ -77,6 +77,12 @@ class Store(LLMRecords):
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
+    def checkpoint(self) -> None:
+        """Moves every committed write from the WAL into the database file, and empties the WAL."""
+        busy, _, _ = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:
+            raise StoreError(f"{self.path}: its WAL could not be checkpointed (another connection reads it)")
+
     def close(self) -> None:
         self._conn.close()
 

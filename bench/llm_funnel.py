@@ -121,7 +121,7 @@ def served(model: Path, threads: int, log: Path) -> Iterator[str]:
             proc.kill()
 
 
-SLOT_TASKS = {"attention_decode": "key_block", "rmsnorm": "vector_width"}
+SLOT_TASKS = {"attention_decode": "key_block", "attention_decode_f16": "key_block", "rmsnorm": "vector_width"}
 """Slot kernels the funnel runs on (``--task``), and the descriptor each is binned by."""
 
 CODE_ARMS = {"diff-structured": "llm_diff", "diff-prompt": "llm_diff", "rewrite": "llm_rewrite"}

@@ -158,7 +158,13 @@ class ChoiceParam(_Domain):
         return any(type(value) is type(v) and value == v for v in self.values_)
 
     def snap(self, value: Any) -> Scalar:
-        return value if self.contains(value) else self.values_[0]
+        """``value`` if a member; among numbers, the nearest one; else the first."""
+        if self.contains(value):
+            return value
+        numbers = [v for v in self.values_ if isinstance(v, int | float) and not isinstance(v, bool)]
+        if numbers and isinstance(value, int | float) and not isinstance(value, bool):
+            return min(numbers, key=lambda v: abs(float(v) - float(value)))
+        return self.values_[0]
 
 
 Param = Annotated[IntParam | Pow2Param | FloatParam | ChoiceParam, Field(discriminator="type")]

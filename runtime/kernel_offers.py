@@ -199,9 +199,10 @@ class KernelOffers(FollowsRuns):
         return [together, *(g for g in alone if g.id != together.id)]
 
     def _keeps(self, params: Mapping[str, Any], slot: str, cid: str) -> bool:
-        """Whether kernel ``cid`` runs in ``slot`` of ``params`` with nothing else of it changed."""
+        """Whether kernel ``cid`` runs in ``slot`` of ``params`` with nothing else of it changed (an engine of the
+        space as it is)."""
         given = {**params, f"kernel_{slot}": cid}
-        return self.fit_kernels(dict(given)) == given
+        return self.fit_kernels(dict(given)) == given and not self.space().violations(given)  # type: ignore[attr-defined]
 
     def offer_start(self) -> Genome:
         """The genome offers build on while the search has no best yet (default: the task's first seed)."""

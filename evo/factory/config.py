@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from evo.config import ExecutionConfig
 from evo.errors import UserError
@@ -79,6 +79,13 @@ class PlanConfig(_Model):
                     "runs an attention kernel over the cache type it was evolved for)")  # fmt: skip
     stagnation: float = Field(0.02, ge=0, description="a slot whose last search gained less (relative) is "
                                                       "not searched again")  # fmt: skip
+
+    @field_validator("precisions", "kv_dtypes")
+    @classmethod
+    def _once_each(cls, values: list[str]) -> list[str]:
+        if len(set(values)) != len(values):
+            raise ValueError(f"{values}: name each one once")
+        return values
 
 
 class _DuelConfig(_Model):

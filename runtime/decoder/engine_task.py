@@ -40,6 +40,12 @@ __all__ = ["ChatEngineArgs", "ChatEngineTask", "runnable_precisions"]
 STEP_TOKENS = (16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+def step_tokens_choices(most: int) -> tuple[int, ...]:
+    """:data:`STEP_TOKENS` up to ``most``, then powers of two up to it."""
+    longer = [1 << e for e in range(STEP_TOKENS[-1].bit_length(), most.bit_length())]
+    return tuple(t for t in (*STEP_TOKENS, *longer) if t <= most)
+
+
 class ChatEngineArgs(TaskArgs, KernelOfferArgs):
     """The model, the load an engine is measured under, its budgets and its fidelity floor."""
 
@@ -62,7 +68,8 @@ class ChatEngineArgs(TaskArgs, KernelOfferArgs):
     kv_cache_mb: float = Field(2048.0, gt=0, description="the KV cache budget of the running requests")
     reference_every_s: float = Field(300.0, ge=0, description="re-measure the default engine (vs_reference's base) "
                                      "once its figures are older than this; 0: before every candidate")  # fmt: skip
-    max_step_tokens: int = Field(256, ge=16, description="largest step_tokens the space offers")
+    max_step_tokens: int = Field(256, ge=64, description="largest step_tokens the space offers (64, the default "
+                                 "engine's, at least)")  # fmt: skip
     precisions: list[str] | None = Field(None, description="what the linear gene may choose besides numpy "
                                          "(default: every precision with a kernel this CPU runs)")  # fmt: skip
     seed: int = Field(0, description="seed of the held-out texts")
@@ -182,7 +189,7 @@ class ChatEngineTask(Task, KernelOffers):
             "slots": ChoiceParam(type="choice", values=("c", "numpy")),
             "kv_dtype": ChoiceParam(type="choice", values=("fp32", "f16")),
             "head": ChoiceParam(type="choice", values=head_choices()),
-            "step_tokens": ChoiceParam(type="choice", values=tuple(t for t in STEP_TOKENS if t <= a.max_step_tokens)),
+            "step_tokens": ChoiceParam(type="choice", values=step_tokens_choices(a.max_step_tokens)),
             "max_running": Pow2Param(type="pow2", low=1, high=running),
             "threads": IntParam(type="int", low=1, high=self.cores),
             **self.kernel_genes(),
@@ -220,14 +227,17 @@ class ChatEngineTask(Task, KernelOffers):
     def seeds(self) -> list[Genome]:
         """The default engine (``evo serve --gguf``'s: fp32 C GEMMs where they run, C attention and RMSNorm); with
         q8 kernels, an f16 cache, 24-token steps and the LM head's top list where they run here (the fastest engine
-        measured by hand on SmolLM2 that holds the floor); and that one on the first kernel offered in each slot."""
+        measured by hand on SmolLM2 that holds the floor); and that one on the first kernel offered in each slot
+        that runs in it as it is (else the slot's first)."""
         base = self._default()
         fast = self._fast(base)
         choices = self.kernel_choices()
         seeds = [base] if fast is None else [base, fast]
         if any(choices.values()):
-            offered = {f"kernel_{s}": ids[0] for s, ids in choices.items() if ids}
-            seeds.append(self.fit_kernels({**(fast or base), **offered}))
+            start = fast or base
+            offered = {f"kernel_{s}": next((c for c in ids if self._keeps(start, s, c)), ids[0])
+                       for s, ids in choices.items() if ids}  # fmt: skip
+            seeds.append(self.fit_kernels({**start, **offered}))
         return [Genome(params=p) for p in seeds]
 
     def _default(self) -> dict[str, Any]:

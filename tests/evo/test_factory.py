@@ -244,6 +244,9 @@ def test_a_factory_a_user_got_wrong_is_one_line(tmp_path):
     nomodel = evo("factory", "nomodel.yaml", cwd=tmp_path, timeout=60)
     assert nomodel.returncode == 2 and "model_dir:" in nomodel.stderr and "config.json is missing" in nomodel.stderr
     assert not (tmp_path / "factories").exists()  # nothing written for a factory that cannot start
+    (tmp_path / "twice.yaml").write_text("model: smollm2\nplan: {kv_dtypes: [f16, f16]}\n")
+    twice = evo("factory", "twice.yaml", cwd=tmp_path, timeout=60)
+    assert twice.returncode == 2 and "plan.kv_dtypes" in twice.stderr and "once" in twice.stderr, twice.stderr
     status = evo("factory", "status", str(tmp_path), cwd=tmp_path, timeout=60)
     assert status.returncode == 2 and "no factory in" in status.stderr
 

@@ -43,6 +43,11 @@ def test_offers_build_on_the_hand_tuned_engine_where_its_kernels_run(tiny_chat: 
         assert (start["linear"], start["kv_dtype"], start["step_tokens"], start["head"]) == (
             "q8", "f16", 24, head_choices()[-1])  # fmt: skip
         assert start in [g.params for g in task.seeds()] and not task.space().violations(start)
+    from runtime.decoder.engine_task import step_tokens_choices
+
+    assert step_tokens_choices(512)[-3:] == (192, 256, 512) and step_tokens_choices(64)[-1] == 64
+    steps = ChatEngineTask(_args(tiny_chat, max_step_tokens=512)).space().params["step_tokens"]
+    assert (steps.snap(500), steps.snap(100), steps.snap(1024)) == (512, 96, 512)  # an old genome's, the nearest
     fp32 = ChatEngineTask(_args(tiny_chat, precisions=["fp32"]))
     assert fp32.offer_start().params == fp32.seeds()[0].params and fp32.seeds()[0].params["linear"] != "q8"
 
