@@ -128,6 +128,7 @@ class Run:
                 staged.checkpoint()  # everything in the file itself: its WAL is not linked with it
             finally:
                 staged.close()
+            (path / "config.yaml").write_text(config_text)
             try:
                 os.link(staging, run_db(path))
             except FileExistsError:
@@ -135,7 +136,6 @@ class Run:
         finally:
             for leftover in leftovers:
                 leftover.unlink(missing_ok=True)
-        (path / "config.yaml").write_text(config_text)
         store = Store(run_db(path))
         try:
             run = cls(path, store, task=task)

@@ -206,7 +206,7 @@ class ChatKind(ModelKind):
         cfg, load = self._model(), self.config.load
         rows, team = load.streams, load.threads  # type: ignore[union-attr]
         if task in _ATTENTION_TASKS.values():  # on the engine's team of threads, as the engine runs it
-            kv = next(t for t, name in _ATTENTION_TASKS.items() if name == task)
+            kv = {name: t for t, name in _ATTENTION_TASKS.items()}[task]
             args = {"batch": rows, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
                     "length": min(512, cfg.context), "window": 0, "cache": kv, "threads": team}  # fmt: skip
             descriptors, bins = ["key_block"], [6]
@@ -303,8 +303,10 @@ def _chat_slot(task: str) -> str:
 
     if task in _ATTENTION_TASKS.values():
         return "attention"
-    if task in ("rmsnorm", "lm_head_topk", "lm_head_topk_vnni"):
-        return {"rmsnorm": "rmsnorm"}.get(task, "lm_head")
+    if task == "rmsnorm":
+        return "rmsnorm"
+    if task in ("lm_head_topk", "lm_head_topk_vnni"):
+        return "lm_head"
     precision_of(task)  # a linear task of a precision the decoder runs, or a ValueError
     return "linear"
 
