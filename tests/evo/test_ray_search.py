@@ -49,8 +49,7 @@ def _evo(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedPro
 
 
 def _settled(run: Path) -> int:
-    """How many of a live run's candidates are evaluated; 0 while its store is not created yet (the file exists a
-    moment before its tables do)."""
+    """How many of a live run's candidates are evaluated; 0 while its store is not linked into place yet."""
     try:
         return sum(1 for r in _rows(run) if r[1] != "pending")
     except sqlite3.OperationalError:
@@ -58,7 +57,8 @@ def _settled(run: Path) -> int:
 
 
 def _rows(run: Path) -> list[tuple[str, str, int | None, dict]]:
-    with sqlite3.connect(run / "archive.db") as db:
+    # read-only: a plain connect would create an empty archive.db, and the driver would find a run in its way
+    with sqlite3.connect(f"file:{run / 'archive.db'}?mode=ro", uri=True) as db:
         return [(cid, status, seq, json.loads(m or "{}")) for cid, status, seq, m in
                 db.execute("SELECT id, status, eval_seq, metrics FROM candidates ORDER BY eval_seq")]
 
