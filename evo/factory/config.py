@@ -94,6 +94,9 @@ class _DuelConfig(_Model):
                                                   "(relative; below 0 accepts a loss that small)")
     every_round: bool = Field(True, description="promoted only when ahead of the incumbent by min_gain in every "
                               "round, not only in the median (a lucky round cannot carry the duel)")
+    finalists: int = Field(1, ge=1, description="the engine search's best this many, each in a duel against the "
+                           "incumbent once the searches are done; of those that win, the one ahead by the most is "
+                           "promoted (a search's single loads rank engines closer than their noise)")
 
 
 class PromoteConfig(_DuelConfig):

@@ -103,6 +103,13 @@ def why_not_promoted(kind: ModelKind, promote: ChatPromoteConfig | PromoteConfig
     return ""
 
 
+def _gain(candidate: dict[str, Any], incumbent: dict[str, Any]) -> float | None:
+    """The candidate's throughput over the incumbent's, less one (``None``: the incumbent has no figure)."""
+    if not incumbent.get("throughput") or not candidate.get("throughput"):
+        return None
+    return candidate["throughput"] / incumbent["throughput"] - 1
+
+
 def _failure(result: Any) -> str:
     """A failed measurement's status and error, in a line or a few (a candidate's own output included)."""
     return f"{result.status}: {(result.error or '').strip()[-1500:]}"
@@ -295,45 +302,67 @@ class Factory:
         return [{"slot": o["slot"], "id": o["id"], "evaluations": o["evaluations"]} for o in offers]
 
     def _duel(self, n: int, engine_run: Path) -> None:
+        """The engine run's ``promote.finalists`` best, each in a duel against the incumbent (the machine quiet
+        now: a search's single loads rank engines closer than their noise); the one ahead of it by the most, of
+        those that hold every rule, is promoted."""
         if self.dir.duels.has(n):
             return
         from archive import Run
 
-        with Run.open(engine_run) as run:
-            ids = run.elite_ids(1)
+        p = self.config.promote
+        incumbent = self.incumbent()
+        with Run.open(engine_run) as run:  # the incumbent itself, found again by this round's search, is no rival
+            ids = [i for i in run.elite_ids(p.finalists + 1) if not incumbent or i != incumbent["elite"]]
+        ids = ids[: p.finalists]
         if not ids:
             self.dir.duels.write(n, {"promoted": False, "why": f"{engine_run} has no ok engine"})
             self._event("not promoted", round=n, why=f"{engine_run} has no ok engine")
             return
-        candidate = {"run_dir": str(engine_run), "elite": ids[0]}
-        incumbent = self.incumbent()
-        p = self.config.promote
-        self.note(f"duel round {n}: {ids[0][:12]} against the {'incumbent' if incumbent else 'default engine'}")
-        result = self.measurer.duel(candidate, incumbent)
-        m, unit = result.metrics, self.kind.unit
-        c, i = self.kind.figures(m), self.kind.figures(m, "rival_")
-        gain = c["throughput"] / i["throughput"] - 1 if i.get("throughput") else float("inf")
-        why = why_not_promoted(self.kind, p, result)
-        promoted = not why
-        fidelity = {k: v for k, v in c.items() if k not in ("throughput", "p99_ms", "ttft_p99_ms", "rounds")}
-        if promoted and m.get("rival_failed"):
-            reason = f"the incumbent failed its duel ({m['rival_failed'][:300]}); p99 {c['p99_ms']:.1f} ms"
-        elif promoted:
-            reason = (f"{gain:+.1%} against the incumbent side by side, p99 {c['p99_ms']:.1f} ms, "
-                      f"{self.kind.fidelity_text(fidelity)} on {p.held_out_texts} held-out texts")  # fmt: skip
-        else:
-            reason = why
-        record = {"round": n, "promoted": promoted, "engines": {"candidate": candidate, "incumbent": incumbent},
-                  "figures": {"candidate": c, "incumbent": i}, "unit": unit,
-                  "gain": gain if i.get("throughput") else None, "status": str(result.status),
-                  "why": reason}  # fmt: skip
+        verdicts = []
+        for k, elite in enumerate(ids, 1):
+            candidate = {"run_dir": str(engine_run), "elite": elite}
+            of = f" (finalist {k} of {len(ids)})" if len(ids) > 1 else ""
+            self.note(f"duel round {n}{of}: {elite[:12]} against the {'incumbent' if incumbent else 'default engine'}")
+            verdicts.append(self._verdict(n, candidate, incumbent, self.measurer.duel(candidate, incumbent)))
+        winners = [v for v in verdicts if v["promoted"]]
+        record = max(winners, key=lambda v: v["gain"] if v["gain"] is not None else float("inf")) if winners \
+            else verdicts[0]  # fmt: skip
+        if len(verdicts) > 1:
+            record = {**record, "finalists": [{"elite": v["engines"]["candidate"]["elite"], "promoted": v["promoted"],
+                                               "gain": v["gain"], "figures": v["figures"], "why": v["why"]}
+                                              for v in verdicts]}  # fmt: skip
+            if record["promoted"]:
+                record["why"] += f"; ahead by the most of the {len(winners)} of {len(verdicts)} finalists that won"
+            else:
+                record["why"] = f"none of {len(verdicts)} finalists won: " + "; ".join(
+                    f"{v['engines']['candidate']['elite'][:12]}: {v['why']}" for v in verdicts)
         self.dir.duels.write(n, record)
-        if promoted:
-            entry = {"round": n, "run_dir": str(engine_run), "elite": ids[0], "throughput": c["throughput"],
-                     "unit": unit, "p99_ms": c["p99_ms"], **fidelity, "gain": record["gain"],
-                     "at": time.time()}  # fmt: skip
+        if record["promoted"]:
+            c = record["figures"]["candidate"]
+            fidelity = {k: v for k, v in c.items() if k not in ("throughput", "p99_ms", "ttft_p99_ms", "rounds")}
+            entry = {"round": n, "run_dir": str(engine_run), "elite": record["engines"]["candidate"]["elite"],
+                     "throughput": c["throughput"], "unit": record["unit"], "p99_ms": c["p99_ms"], **fidelity,
+                     "gain": record["gain"], "at": time.time()}  # fmt: skip
             self.dir.add_promotion(entry)
-        self._event("promoted" if promoted else "not promoted", round=n, engine=candidate, why=reason)
+        self._event("promoted" if record["promoted"] else "not promoted", round=n,
+                    engine=record["engines"]["candidate"], why=record["why"])  # fmt: skip
+
+    def _verdict(self, n: int, candidate: dict[str, Any], incumbent: dict[str, Any] | None,
+                 result: EvalResult) -> dict[str, Any]:  # fmt: skip
+        """A duel's record: both engines' figures, the gain, and whether (and why) the candidate is promoted."""
+        p, m = self.config.promote, result.metrics
+        c, i = self.kind.figures(m), self.kind.figures(m, "rival_")
+        why = why_not_promoted(self.kind, p, result)
+        promoted, gain = not why, _gain(c, i)
+        if promoted and m.get("rival_failed"):
+            why = f"the incumbent failed its duel ({m['rival_failed'][:300]}); p99 {c['p99_ms']:.1f} ms"
+        elif promoted:
+            fidelity = {k: v for k, v in c.items() if k not in ("throughput", "p99_ms", "ttft_p99_ms", "rounds")}
+            why = (f"{gain:+.1%} against the incumbent side by side, p99 {c['p99_ms']:.1f} ms, "
+                   f"{self.kind.fidelity_text(fidelity)} on {p.held_out_texts} held-out texts")  # fmt: skip
+        return {"round": n, "promoted": promoted, "engines": {"candidate": candidate, "incumbent": incumbent},
+                "figures": {"candidate": c, "incumbent": i}, "unit": self.kind.unit, "gain": gain,
+                "status": str(result.status), "why": why}  # fmt: skip
 
     # --- helpers ------------------------------------------------------------------------------------
 

@@ -320,12 +320,16 @@ def _duels(log: FactoryLog) -> Section:
     unit, key, label = _measures(log)
     rows = []
     for n, d in log.duels.items():
-        c, i = _figures(d, "candidate"), _figures(d, "incumbent")
-        rows.append((n, "yes" if d.get("promoted") is True else "no", _pct(d.get("gain")), c.get("throughput"),
-                     c.get("p99_ms"), c.get(key), i.get("throughput"), i.get("p99_ms"),
-                     d.get("why")))  # fmt: skip
-    head = ("round", "promoted", "gain", unit, "p99 (ms)", label, f"incumbent's {unit}", "incumbent's p99 (ms)",
-            "why")  # fmt: skip
+        chosen = _dict(_dict(d.get("engines")).get("candidate")).get("elite")
+        # a round of several finalists: a row for each one's duel, the promoted one marked
+        for f in d.get("finalists") or [{**d, "elite": chosen}]:
+            c, i = _figures(f, "candidate"), _figures(f, "incumbent")
+            promoted = d.get("promoted") is True and f.get("elite") == chosen
+            rows.append((n, str(f.get("elite") or "")[:12], "yes" if promoted else "no", _pct(f.get("gain")),
+                         c.get("throughput"), c.get("p99_ms"), c.get(key), i.get("throughput"), i.get("p99_ms"),
+                         f.get("why")))  # fmt: skip
+    head = ("round", "engine", "promoted", "gain", unit, "p99 (ms)", label, f"incumbent's {unit}",
+            "incumbent's p99 (ms)", "why")  # fmt: skip
     body = table(head, rows) if rows else '<p class="none">no duel yet.</p>'
     promoted = [(p.get("round"), _engine(p), p.get("throughput"), p.get("p99_ms"), p.get(key),
                  _pct(p.get("gain")), _when(p.get("at"))) for p in log.promotions]  # fmt: skip

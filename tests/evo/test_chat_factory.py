@@ -35,7 +35,7 @@ def chat_factory(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "budget": {"rounds": 1, "kernel_evals": 8, "engine_evals": 4, "engine_after_kernels": 2, "min_evals": 2,
                    "confirm_repeats": 0},
         "plan": {"min_share": 0.0, "precisions": ["fp32"]},
-        "promote": {"held_out_texts": 2, "rounds": 1, "min_gain": -0.9},
+        "promote": {"held_out_texts": 2, "rounds": 1, "min_gain": -0.9, "finalists": 2},
     }  # fmt: skip
     (root / "chat-factory.yaml").write_text(yaml.safe_dump(config))
     got = evo("factory", "chat-factory.yaml", "--dir", "fac", cwd=root)
@@ -69,6 +69,15 @@ def test_a_chat_factory_profiles_plans_searches_and_promotes(chat_factory: Path)
     # fp32 GEMMs, whose only reduced precision can be a top-list head's (q8): within the promotion's floor
     assert duel["unit"] == "tokens/s" and c["throughput"] > 0 and c["top1"] >= 0.95 and c["kl"] <= 0.01, duel
     assert duel["promoted"] is True and duel["engines"]["incumbent"] is None, duel["why"]
+    # the search's best two, each in a duel of its own against the default engine: the one ahead by the most wins
+    finalists = duel["finalists"]
+    assert len(finalists) == 2 and len({f["elite"] for f in finalists}) == 2, finalists
+    assert all(f["figures"]["candidate"]["throughput"] > 0 and f["figures"]["incumbent"]["throughput"] > 0
+               for f in finalists)  # fmt: skip
+    best = max((f for f in finalists if f["promoted"]), key=lambda f: f["gain"])
+    assert duel["engines"]["candidate"]["elite"] == best["elite"] and duel["gain"] == best["gain"]
+    promotion = json.loads((chat_factory / "promotions.jsonl").read_text().splitlines()[-1])
+    assert promotion["elite"] == best["elite"]
     status = evo("factory", "status", str(chat_factory), cwd=chat_factory)
     assert status.returncode == 0 and "tokens/s" in status.stdout, status.stderr
 
