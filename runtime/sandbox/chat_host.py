@@ -248,10 +248,20 @@ def confined_decoder(listener: socket.socket | None, model: DecoderModel, engine
         load_filter(filters["chat"])
     engine_threads(engine)  # before any kernel loads: OpenMP reads its team's size once
     decoder = build(model, engine, built=built, cache_dir=cache_dir, compiler=compiler)
-    decoder.generate("Hello", max_tokens=2, temperature=0.0)  # every kernel has run once: lazy binding done
+    warm_up(decoder)  # every kernel has run once: lazy binding done
     if filters is not None:
         load_filter(filters["no_exec"])
     return decoder
+
+
+def warm_up(decoder: Decoder) -> None:
+    """Runs every kernel of ``decoder`` once, in a thread of its own that ends before this returns. OpenMP gives
+    each thread that starts a parallel region a team of its own; a team left to this thread beside the one that
+    serves made every decode step about 25% slower (measured: 8 prompts of 64 tokens, 4.3 s against 5.5)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="evoforge-warm-up") as once:
+        once.submit(decoder.generate, "Hello", max_tokens=2, temperature=0.0).result()
 
 
 def serve_confined(listener: socket.socket, model: DecoderModel, model_ids: tuple[str, ...], engine: ChatEngine,

@@ -78,6 +78,12 @@ def test_a_chat_factory_profiles_plans_searches_and_promotes(chat_factory: Path)
     assert duel["engines"]["candidate"]["elite"] == best["elite"] and duel["gain"] == best["gain"]
     promotion = json.loads((chat_factory / "promotions.jsonl").read_text().splitlines()[-1])
     assert promotion["elite"] == best["elite"]
+    report = evo("report", str(chat_factory), "-o", str(chat_factory.parent / "r.html"), cwd=chat_factory.parent)
+    assert report.returncode == 0, report.stderr
+    duels = (chat_factory.parent / "r.html").read_text().split('<section id="duels">')[1].split("</section>")[0]
+    for f in finalists:  # a row for each finalist's duel, its figure beside it
+        throughput = f["figures"]["candidate"]["throughput"]
+        assert f"<td>{f['elite'][:12]}</td>" in duels and f"<td>{throughput:.4g}</td>" in duels
     status = evo("factory", "status", str(chat_factory), cwd=chat_factory)
     assert status.returncode == 0 and "tokens/s" in status.stdout, status.stderr
 
@@ -146,6 +152,30 @@ def test_serve_follow_swaps_chat_engines_without_a_cut_stream(chat_factory: Path
     assert len(answers) >= 4 and all(a == (200, 24, True) for a in answers), answers
     swaps = [json.loads(line) for line in (factory / "swaps.jsonl").read_text().splitlines()]
     assert swaps[-1]["elite"] == other.id and swaps[-1]["ok"] is True and swaps[-1]["round"] == 2, swaps
+
+
+def test_a_round_whose_finalists_all_lose_promotes_none_and_says_why_for_each(chat_factory: Path,
+                                                                             tmp_path: Path) -> None:
+    """The fixture's round again, its duel redone by a resumed factory that asks more than any finalist gives:
+    each finalist still duels the incumbent, none is promoted, and the record says why for each."""
+    import shutil
+
+    factory = Path(shutil.copytree(chat_factory, tmp_path / "fac"))
+    stored = yaml.safe_load((factory / "factory.yaml").read_text())
+    stored["promote"]["min_gain"] = 100.0  # ahead by 10,000%: no engine is
+    (factory / "factory.yaml").write_text(yaml.safe_dump(stored))
+    (factory / "duels" / "round-1.json").unlink()
+    (factory / "promotions.jsonl").unlink()
+    got = evo("factory", "run", "chat-factory.yaml", "--dir", str(factory), "--resume", cwd=chat_factory.parent)
+    assert got.returncode == 0, got.stderr[-3000:]
+    duel = json.loads((factory / "duels" / "round-1.json").read_text())
+    assert duel["promoted"] is False and len(duel["finalists"]) == 2, duel
+    assert duel["why"].startswith("none of 2 finalists won: ")
+    for f in duel["finalists"]:
+        assert not f["promoted"] and f["elite"][:12] in duel["why"] and f["figures"]["candidate"]["throughput"] > 0
+    assert not (factory / "promotions.jsonl").exists() or not (factory / "promotions.jsonl").read_text().strip()
+    events = [json.loads(line) for line in (factory / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "not promoted" and events[-1]["why"] == duel["why"]
 
 
 @pytest.mark.parametrize(("config", "says"), [

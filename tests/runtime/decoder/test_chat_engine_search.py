@@ -459,3 +459,37 @@ def test_an_evolved_kernel_right_only_on_the_check_prompts_is_wrong_under_load(t
         backend.release(host)
         for template in backend._templates.values():
             template.close()
+
+
+_TEAMS = """
+import os, sys, time
+from runtime.decoder import load_decoder
+from runtime.decoder.engine import ChatEngine, build, engine_threads
+from runtime.sandbox.chat_host import warm_up
+
+def threads(settle):  # OpenMP's workers of a freed team end a moment after it
+    deadline = time.monotonic() + 5
+    while len(os.listdir("/proc/self/task")) > settle and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(os.listdir("/proc/self/task"))
+
+engine = ChatEngine(threads=2)
+engine_threads(engine)
+decoder = build(load_decoder(sys.argv[1]), engine)
+before = len(os.listdir("/proc/self/task"))
+warm_up(decoder)
+after_warm_up = threads(before)
+decoder.generate("Hello", max_tokens=2, temperature=0.0)  # here, in this thread: its team stays
+print(before, after_warm_up, threads(before))
+"""
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="an OpenMP team of 2 needs 2 cores")
+def test_a_hosts_warm_up_leaves_no_openmp_team_beside_the_one_that_serves(tiny_chat: Path) -> None:
+    """A host runs every kernel once before it serves, in a thread that ends: a team of OpenMP threads left to the
+    thread that warmed up, beside the serving thread's, made every decode step slower."""
+    got = subprocess.run([sys.executable, "-c", _TEAMS, str(tiny_chat)], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-3000:]
+    before, after_warm_up, after_here = map(int, got.stdout.split())
+    assert after_warm_up == before  # the warm-up's thread and its team are gone
+    assert after_here > before  # what a warm-up in this thread would have left
