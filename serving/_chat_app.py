@@ -17,7 +17,7 @@ from fastapi import Depends, FastAPI, Request
 from starlette.types import ASGIApp
 
 from runtime.decoder import Decoder, DecoderModel, Scheduler, SchedulerConfig
-from runtime.decoder.engine import ChatEngine, EngineUnfit, build, engine_threads
+from runtime.decoder.engine import ChatEngine, EngineUnfit, build, engine_threads, warm_up
 from serving import _chat
 from serving._errors import APIError, BodyLimit, errors, install_error_handlers
 from serving._http import admin_auth, ops_router, user_auth
@@ -70,7 +70,7 @@ class ChatState:
         t0 = time.perf_counter()
         engine_threads(engine)  # before its kernels load (the old engine meanwhile gets these pools' sizes too)
         decoder = build(self.model, engine, cache_dir=self.cache_dir)
-        decoder.generate("Hello", max_tokens=2, temperature=0.0)  # every kernel has run once before it serves
+        warm_up(decoder)  # every kernel has run once before it serves
         scheduler = self.start(engine, decoder)
         old = self.scheduler
         self.draining.append(old)

@@ -42,7 +42,8 @@ from runtime.task import load_task_class
 from runtime.tasks.lm_head_topk import head_task
 from runtime.toolchain.cc import compile_source
 
-__all__ = ["ChatEngine", "EngineUnfit", "build", "compile_engine", "default_linear", "engine_threads", "libraries"]
+__all__ = ["ChatEngine", "EngineUnfit", "build", "compile_engine", "default_linear", "engine_threads", "libraries",
+           "warm_up"]
 
 
 def default_linear() -> str:
@@ -255,3 +256,14 @@ def engine_threads(engine: ChatEngine) -> None:
     os.environ["OMP_NUM_THREADS"] = str(team if c else 1)
     threadpool_limits(limits=1 if c else team, user_api="blas")
 
+
+
+def warm_up(decoder: Decoder) -> None:
+    """Runs every kernel of ``decoder`` once (lazy binding, packed weights), in a thread of its own that ends before
+    this returns. OpenMP gives each thread that starts a parallel region a team of its own; a team left to a thread
+    that lives on beside the one that serves made every decode step about 25% slower (measured: 8 prompts of 64
+    tokens, 4.3 s against 5.5)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="evoforge-warm-up") as once:
+        once.submit(decoder.generate, "Hello", max_tokens=2, temperature=0.0).result()

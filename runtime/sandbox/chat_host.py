@@ -241,7 +241,7 @@ def confined_decoder(listener: socket.socket | None, model: DecoderModel, engine
             with contextlib.suppress(OSError):
                 os.close(fd)
     make_undumpable()
-    from runtime.decoder.engine import build, engine_threads
+    from runtime.decoder.engine import build, engine_threads, warm_up
 
     confine_to_code(cache_dir)
     if filters is not None:
@@ -252,16 +252,6 @@ def confined_decoder(listener: socket.socket | None, model: DecoderModel, engine
     if filters is not None:
         load_filter(filters["no_exec"])
     return decoder
-
-
-def warm_up(decoder: Decoder) -> None:
-    """Runs every kernel of ``decoder`` once, in a thread of its own that ends before this returns. OpenMP gives
-    each thread that starts a parallel region a team of its own; a team left to this thread beside the one that
-    serves made every decode step about 25% slower (measured: 8 prompts of 64 tokens, 4.3 s against 5.5)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="evoforge-warm-up") as once:
-        once.submit(decoder.generate, "Hello", max_tokens=2, temperature=0.0).result()
 
 
 def serve_confined(listener: socket.socket, model: DecoderModel, model_ids: tuple[str, ...], engine: ChatEngine,

@@ -464,8 +464,7 @@ def test_an_evolved_kernel_right_only_on_the_check_prompts_is_wrong_under_load(t
 _TEAMS = """
 import os, sys, time
 from runtime.decoder import load_decoder
-from runtime.decoder.engine import ChatEngine, build, engine_threads
-from runtime.sandbox.chat_host import warm_up
+from runtime.decoder.engine import ChatEngine, build, engine_threads, warm_up
 
 def threads(settle):  # OpenMP's workers of a freed team end a moment after it
     deadline = time.monotonic() + 5
