@@ -104,10 +104,15 @@ def why_not_promoted(kind: ModelKind, promote: ChatPromoteConfig | PromoteConfig
 
 
 def _gain(candidate: dict[str, Any], incumbent: dict[str, Any]) -> float | None:
-    """The candidate's throughput over the incumbent's, less one (``None``: the incumbent has no figure)."""
+    """The candidate's throughput over the incumbent's, less one (``None``: either has no figure)."""
     if not incumbent.get("throughput") or not candidate.get("throughput"):
         return None
     return candidate["throughput"] / incumbent["throughput"] - 1
+
+
+def _fidelity(figures: dict[str, Any]) -> dict[str, Any]:
+    """An engine's duel figures less its speed: what it was checked to keep of the fp32 engine."""
+    return {k: v for k, v in figures.items() if k not in ("throughput", "p99_ms", "ttft_p99_ms", "rounds")}
 
 
 def _failure(result: Any) -> str:
@@ -339,9 +344,8 @@ class Factory:
         self.dir.duels.write(n, record)
         if record["promoted"]:
             c = record["figures"]["candidate"]
-            fidelity = {k: v for k, v in c.items() if k not in ("throughput", "p99_ms", "ttft_p99_ms", "rounds")}
             entry = {"round": n, "run_dir": str(engine_run), "elite": record["engines"]["candidate"]["elite"],
-                     "throughput": c["throughput"], "unit": record["unit"], "p99_ms": c["p99_ms"], **fidelity,
+                     "throughput": c["throughput"], "unit": record["unit"], "p99_ms": c["p99_ms"], **_fidelity(c),
                      "gain": record["gain"], "at": time.time()}  # fmt: skip
             self.dir.add_promotion(entry)
         self._event("promoted" if record["promoted"] else "not promoted", round=n,
@@ -357,9 +361,8 @@ class Factory:
         if promoted and m.get("rival_failed"):
             why = f"the incumbent failed its duel ({m['rival_failed'][:300]}); p99 {c['p99_ms']:.1f} ms"
         elif promoted:
-            fidelity = {k: v for k, v in c.items() if k not in ("throughput", "p99_ms", "ttft_p99_ms", "rounds")}
             why = (f"{gain:+.1%} against the incumbent side by side, p99 {c['p99_ms']:.1f} ms, "
-                   f"{self.kind.fidelity_text(fidelity)} on {p.held_out_texts} held-out texts")  # fmt: skip
+                   f"{self.kind.fidelity_text(_fidelity(c))} on {p.held_out_texts} held-out texts")  # fmt: skip
         return {"round": n, "promoted": promoted, "engines": {"candidate": candidate, "incumbent": incumbent},
                 "figures": {"candidate": c, "incumbent": i}, "unit": self.kind.unit, "gain": gain,
                 "status": str(result.status), "why": why}  # fmt: skip

@@ -257,7 +257,6 @@ def engine_threads(engine: ChatEngine) -> None:
     threadpool_limits(limits=1 if c else team, user_api="blas")
 
 
-
 def warm_up(decoder: Decoder) -> None:
     """Runs every kernel of ``decoder`` once (lazy binding, packed weights), in a thread of its own that ends before
     this returns. OpenMP gives each thread that starts a parallel region a team of its own; a team left to a thread
