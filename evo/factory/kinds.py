@@ -197,9 +197,11 @@ class ChatKind(ModelKind):
         return tasks, "; ".join(reasons)
 
     def kernel_run_config(self, task: str, max_evals: int) -> dict[str, Any]:
-        """Each task at the shapes of the load's decode steps, on the threads the engine runs it on: a step of
-        ``streams`` sequences through the gated MLP's up GEMM (the largest), the attention of that many sequences
-        over up to 512 cached positions, RMSNorm of that many rows, and the LM head's top list of that many rows."""
+        """Each task at the shapes of the load's steps, on the threads the engine runs it on: a step of ``streams``
+        sequences through the gated MLP's up GEMM (the largest), the attention of that many sequences over as many
+        positions as the load's longest requests hold (a prompt's chunk of 8 queries in every other one, as steps
+        that prefill beside the decoding requests bring), RMSNorm of that many rows, and the LM head's top list of
+        that many rows."""
         from runtime.task import load_task_class
         from runtime.tasks._linear import LinearTask
 
@@ -207,8 +209,10 @@ class ChatKind(ModelKind):
         rows, team = load.streams, load.threads  # type: ignore[union-attr]
         if task in _ATTENTION_TASKS.values():  # on the engine's team of threads, as the engine runs it
             kv = {name: t for t, name in _ATTENTION_TASKS.items()}[task]
+            longest = load.prompt_tokens[1] + load.max_tokens  # type: ignore[union-attr]
             args = {"batch": rows, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                    "length": min(512, cfg.context), "window": 0, "cache": kv, "threads": team}  # fmt: skip
+                    "length": min(longest, cfg.context), "queries": _CHUNK, "window": 0, "cache": kv,
+                    "threads": team}  # fmt: skip
             descriptors, bins = ["key_block"], [6]
         elif task == "rmsnorm":  # one thread, as the engine runs it
             args = {"rows": rows, "cols": cfg.hidden, "eps": cfg.eps, "threads": 1}
@@ -292,6 +296,10 @@ class ChatKind(ModelKind):
     def fidelity_text(self, figures: Mapping[str, Any]) -> str:
         return f"top-1 {figures.get('top1', float('nan')):.4f} and mean KL {figures.get('kl', float('nan')):.5f} nats"
 
+
+# a prompt's chunk in the attention search's timed step: prefill costs a chat load as much attention as decoding
+# (a prompt of n tokens scores ~n^2/2 key-query pairs), and which kernel is fastest differs between the two
+_CHUNK = 8
 
 # the attention task whose kernels run over each KV cache type
 _ATTENTION_TASKS = {"fp32": "attention_decode", "f16": "attention_decode_f16"}

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from genome import Genome, ParamSpace, Pow2Param, render_source
+from genome import ChoiceParam, Genome, ParamSpace, Pow2Param, render_source
 from runtime.slots import Slot, SlotTask
 from runtime.task import Case, Descriptor, TaskArgs
 from runtime.tasks._common import load_c_source
@@ -75,8 +75,8 @@ def twins(case: Case) -> list[tuple[int, int]]:
 
 
 class AttentionDecode(SlotTask):
-    """Attention over per-sequence caches; the template varies vector width, keys per block and queries per
-    tile."""
+    """Attention over per-sequence caches; the template varies vector width, keys per block, queries per tile, how
+    scores are summed, how their exponentials are taken and how the values are summed."""
 
     name = "attention_decode"
     unit = "GB/s"
@@ -96,6 +96,9 @@ class AttentionDecode(SlotTask):
                 "VEC": Pow2Param(type="pow2", low=4, high=16),
                 "KBLOCK": Pow2Param(type="pow2", low=4, high=128),
                 "QTILE": Pow2Param(type="pow2", low=1, high=8),
+                "SCORES": ChoiceParam(type="choice", values=("DOT", "KEYS")),
+                "EXP": ChoiceParam(type="choice", values=("LIBM", "POLY")),
+                "VALUES": ChoiceParam(type="choice", values=("AXPY", "ROWS")),
             }
         )
 
@@ -105,7 +108,8 @@ class AttentionDecode(SlotTask):
     def seeds(self) -> list[Genome]:
         """The naive three-pass kernel, and a modest template point (the engine's default)."""
         return [Genome(params={}, source=load_c_source("attention_decode_naive.c")),
-                Genome(params={"VEC": 8, "KBLOCK": 32, "QTILE": 4})]  # fmt: skip
+                Genome(params={"VEC": 8, "KBLOCK": 32, "QTILE": 4, "SCORES": "DOT", "EXP": "LIBM",
+                                "VALUES": "AXPY"})]  # fmt: skip
 
     def render(self, genome: Genome) -> str:
         """The genome's source with its params and the cache's type (``KV_F16`` or ``KV_FP32`` defined)."""

@@ -56,7 +56,9 @@ def test_a_chat_factory_profiles_plans_searches_and_promotes(chat_factory: Path)
                                                                   ("attention", "attention_decode_f16"),
                                                                   ("rmsnorm", "rmsnorm"), *heads}  # fmt: skip
     kernel = yaml.safe_load((chat_factory / "configs" / "attention_decode_f16.yaml").read_text())
-    assert kernel["task"]["args"]["batch"] == 2 and kernel["task"]["args"]["head_dim"] > 0  # the decode shapes
+    assert kernel["task"]["args"]["batch"] == 2 and kernel["task"]["args"]["head_dim"] > 0  # the load's shapes:
+    assert kernel["task"]["args"]["length"] == 40 + 12  # its longest requests' positions
+    assert kernel["task"]["args"]["queries"] > 1  # prompts' chunks beside decode steps
     assert kernel["task"]["args"]["cache"] == "f16"  # plan.kv_dtypes' default: the cache the fastest engines run
     engine = yaml.safe_load((chat_factory / "configs" / "engine-r1.yaml").read_text())
     assert engine["task"]["name"] == "chat_engine" and set(engine["task"]["args"]["kernels"]) == {

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from runtime_helpers import make_settings, request, run
-from test_tasks import assert_correct, compile_kernel, random_points
+from test_tasks import assert_correct, call, compile_kernel, random_points
 
 from genome import Genome
 from runtime.result import Status
@@ -81,3 +83,38 @@ def test_a_kernel_whose_rounding_depends_on_its_tile_fails_in_the_sandbox(tmp_pa
     got = run(pool, request(str(tmp_path), drifting, params=point, task=spec), timeout=120)
     assert got.status == Status.WRONG and "bit for bit" in got.error, got.error
     assert run(pool, request(str(tmp_path), source, params=point, task=spec), timeout=120).status == Status.OK
+
+
+_FAST = {"SCORES": "KEYS", "EXP": "POLY", "VALUES": "ROWS"}
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64-v3"], ids=["this-cpu", "avx2-only"])
+@pytest.mark.parametrize("cache", ["fp32", "f16"])
+def test_scores_keys_exp_poly_and_values_rows_are_correct_at_every_vector_width(cache: str, march: str,
+                                                                                 tmp_path: Path) -> None:  # fmt: skip
+    """The template's other choices, each a path of its own (16 halves at once where AVX-512 is, two conversions of 8
+    where only AVX2 is), on every check case: within the tolerance, and each chunk's query bit for bit its twin's."""
+    task = AttentionDecode({"cache": cache, "threads": 2})
+    for vec, kblock, qtile in ((4, 4, 1), (8, 32, 8), (16, 128, 2)):
+        genome = Genome(params={"VEC": vec, "KBLOCK": kblock, "QTILE": qtile, **_FAST})
+        src = tmp_path / f"{march}-{genome.id[:16]}.c"
+        src.write_text(task.render(genome))
+        lib = src.with_suffix(".so")
+        cmd = ["cc", "-O3", f"-march={march}", "-shared", "-fPIC", *task.compile_flags(), str(src), "-o", str(lib)]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        assert_correct(task, ctypes.CDLL(str(lib)).kernel, np.random.default_rng(vec))
+
+
+@pytest.mark.parametrize("cache", ["fp32", "f16"])
+def test_values_rows_sums_what_axpy_sums_in_the_same_order(cache: str, tmp_path: Path) -> None:
+    """VALUES=ROWS keeps a strip of the output in registers instead of memory, and nothing else: the same bits."""
+    task = AttentionDecode({"cache": cache, "batch": 3, "length": 100, "queries": 5})
+    case = task.full_case()
+    inputs = task.inputs(case, np.random.default_rng(0))
+    outs = []
+    for values in ("AXPY", "ROWS"):
+        genome = Genome(params={"VEC": 8, "KBLOCK": 16, "QTILE": 2, "SCORES": "KEYS", "EXP": "POLY", "VALUES": values})
+        out = {k: np.empty(shape, dtype) for k, (shape, dtype) in task.outputs(case).items()}
+        call(compile_kernel(task, genome, tmp_path), task.kernel_args(case, {**inputs, **out}))
+        outs.append(out["out"])
+    assert np.isfinite(outs[0]).all() and np.array_equal(outs[0], outs[1])
