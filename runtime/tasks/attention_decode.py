@@ -99,7 +99,9 @@ class AttentionDecode(SlotTask):
                 "SCORES": ChoiceParam(type="choice", values=("DOT", "KEYS")),
                 "EXP": ChoiceParam(type="choice", values=("LIBM", "POLY")),
                 "VALUES": ChoiceParam(type="choice", values=("AXPY", "ROWS")),
-            }
+            },
+            # KEYS scores VEC keys at a time: a block of fewer would score keys only to drop them
+            ["SCORES == 'DOT' or KBLOCK >= VEC"],
         )
 
     def template(self) -> str:

@@ -118,3 +118,12 @@ def test_values_rows_sums_what_axpy_sums_in_the_same_order(cache: str, tmp_path:
         call(compile_kernel(task, genome, tmp_path), task.kernel_args(case, {**inputs, **out}))
         outs.append(out["out"])
     assert np.isfinite(outs[0]).all() and np.array_equal(outs[0], outs[1])
+
+
+def test_the_space_scores_keys_only_in_blocks_of_a_vector_or_more() -> None:
+    space = AttentionDecode().space()
+    assert space.violations({"VEC": 16, "KBLOCK": 4, "QTILE": 1, **_FAST})
+    assert not space.violations({"VEC": 16, "KBLOCK": 4, "QTILE": 1, **_FAST, "SCORES": "DOT"})
+    points = [space.sample(np.random.default_rng(i)) for i in range(200)]
+    assert all(p["KBLOCK"] >= p["VEC"] for p in points if p["SCORES"] == "KEYS")
+    assert {p["SCORES"] for p in points} == {"DOT", "KEYS"}
