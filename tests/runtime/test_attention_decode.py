@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -97,12 +95,7 @@ def test_scores_keys_exp_poly_and_values_rows_are_correct_at_every_vector_width(
     task = AttentionDecode({"cache": cache, "threads": 2})
     for vec, kblock, qtile in ((4, 4, 1), (8, 32, 8), (16, 128, 2)):
         genome = Genome(params={"VEC": vec, "KBLOCK": kblock, "QTILE": qtile, **_FAST})
-        src = tmp_path / f"{march}-{genome.id[:16]}.c"
-        src.write_text(task.render(genome))
-        lib = src.with_suffix(".so")
-        cmd = ["cc", "-O3", f"-march={march}", "-shared", "-fPIC", *task.compile_flags(), str(src), "-o", str(lib)]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-        assert_correct(task, ctypes.CDLL(str(lib)).kernel, np.random.default_rng(vec))
+        assert_correct(task, compile_kernel(task, genome, tmp_path, march), np.random.default_rng(vec))
 
 
 @pytest.mark.parametrize("cache", ["fp32", "f16"])

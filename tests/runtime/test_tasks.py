@@ -21,12 +21,13 @@ from runtime.tasks.softmax import Softmax
 KernelFn = Callable[..., None]
 
 
-def compile_kernel(task: Task, genome: Genome, tmp_path: Path) -> KernelFn:
-    """Builds ``task.render(genome)`` into a shared object and returns its ``kernel`` via ctypes."""
-    src = tmp_path / f"{genome.id[:16]}.c"
+def compile_kernel(task: Task, genome: Genome, tmp_path: Path, march: str = "native") -> KernelFn:
+    """Builds ``task.render(genome)`` for ``-march=<march>`` into a shared object and returns its ``kernel`` via
+    ctypes."""
+    src = tmp_path / f"{march}-{genome.id[:16]}.c"
     lib = src.with_suffix(".so")
     src.write_text(task.render(genome))
-    cmd = ["cc", "-O3", "-march=native", "-shared", "-fPIC", *task.compile_flags(), str(src), "-o", str(lib)]
+    cmd = ["cc", "-O3", f"-march={march}", "-shared", "-fPIC", *task.compile_flags(), str(src), "-o", str(lib)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return getattr(ctypes.CDLL(str(lib)), task.kernel_name)
 
