@@ -99,9 +99,12 @@ def _open_lock_file(path: str) -> int:
 
 @contextlib.contextmanager
 def pinned(core: int | None, count: int = 1, *, also: Sequence[int] = ()) -> Iterator[set[int]]:
-    """Pins every thread of this process, and of the processes ``also`` (a candidate's host), to ``count``
-    cores, from ``core`` on (default: the last allowed ones), and restores each thread's affinity after.
-    Yields the cores."""
+    """Pins every thread of this process to ``count`` cores, from ``core`` on (default: the last allowed ones),
+    and each thread of the processes ``also`` (a candidate's host) to one of them, in turn, and restores each
+    thread's affinity after. Yields the cores.
+
+    One core per host thread: left free to move, a woken thread of a kernel's team often joined its waker's
+    core until the scheduler moved it, so the same kernel took 2.4 ms in one timing and 7.8 in the next."""
     allowed = sorted(os.sched_getaffinity(0))
     count = max(1, min(count, len(allowed)))
     if core is None:
@@ -110,10 +113,14 @@ def pinned(core: int | None, count: int = 1, *, also: Sequence[int] = ()) -> Ite
         later = [c for c in allowed if c >= core]
         target = set(later[:count]) if len(later) >= count else set(allowed[-count:])
     before: dict[int, set[int]] = {}
-    for tid in [*_threads(), *(t for pid in also for t in _threads(pid))]:
+    order = sorted(target)
+    placed = [(tid, target) for tid in _threads()]
+    for pid in also:
+        placed += [(tid, {order[i % len(order)]}) for i, tid in enumerate(_threads(pid))]  # in thread-id order
+    for tid, cpus in placed:
         with contextlib.suppress(OSError):  # a thread may end meanwhile
             before[tid] = os.sched_getaffinity(tid)
-            os.sched_setaffinity(tid, target)
+            os.sched_setaffinity(tid, cpus)
     try:
         yield target
     finally:

@@ -56,6 +56,9 @@ def scrubbed_env(threads: int, work_dir: str, gpu: str | None = None) -> dict[st
         TMPDIR=work_dir,
         OMP_NUM_THREADS=n,
         OPENBLAS_NUM_THREADS=n,
+        # OpenBLAS's threads spin for ~2^28 cycles after each call: after the reference, they took the cores
+        # from the candidate timed next (2-3x slower calls). 2^4 cycles: they sleep at once.
+        OPENBLAS_THREAD_TIMEOUT="4",
         MKL_NUM_THREADS=n,
         PYTHONPATH=_PACKAGE_ROOT,
         PYTHONDONTWRITEBYTECODE="1",

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from runtime.result import TimingStats
+from runtime.sandbox.limits import scrubbed_env
 from runtime.settings import TimingSettings
 from runtime.timing import TimingLock, pinned, relative_uncertainty, time_interleaved
 
@@ -90,6 +91,7 @@ def test_lock_excludes_another_process(tmp_path):
 
 _HOLDER = """
 import sys, time
+from runtime.sandbox.limits import scrubbed_env
 from runtime.timing import TimingLock
 lock = TimingLock(sys.argv[1])
 mode, hold = sys.argv[2], float(sys.argv[3])
@@ -179,3 +181,49 @@ def test_pinned_restores_affinity():
     with pinned(min(before), count=2) as cores:
         assert len(cores) == min(2, len(before)) and os.sched_getaffinity(0) == cores
     assert os.sched_getaffinity(0) == before
+
+
+_TWO_THREADS = """
+import sys, threading
+threading.Thread(target=sys.stdin.read, daemon=True).start()  # a second thread, waiting like a team's
+sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to spread a host over")
+def test_pinned_gives_each_of_a_hosts_threads_its_own_core():
+    """A kernel's two threads each get a core: free to move, a woken team thread joined its waker's core."""
+    allowed = sorted(os.sched_getaffinity(0))
+    host = subprocess.Popen([sys.executable, "-c", _TWO_THREADS], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 10
+        while len(os.listdir(f"/proc/{host.pid}/task")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{host.pid}/task"))
+        before = {tid: os.sched_getaffinity(tid) for tid in tids}
+        with pinned(allowed[0], count=2, also=[host.pid]) as cores:
+            placed = [os.sched_getaffinity(tid) for tid in tids]
+            assert all(len(p) == 1 for p in placed) and set().union(*placed) == cores == set(allowed[:2])
+            assert os.sched_getaffinity(0) == cores  # this process may use either
+        assert {tid: os.sched_getaffinity(tid) for tid in tids} == before
+    finally:
+        host.kill()
+        host.wait()
+
+
+_SPIN_PROBE = """
+import time, numpy as np
+a = np.random.default_rng(0).random((384, 384))
+for _ in range(5):
+    a @ a  # big enough for OpenBLAS to run it on its threads
+cpu, wall = time.process_time(), time.perf_counter()
+time.sleep(0.1)
+print(round((time.process_time() - cpu) / (time.perf_counter() - wall), 3))
+"""
+
+
+def test_the_workers_blas_threads_sleep_after_a_call(tmp_path):
+    """A reference's BLAS call leaves no thread spinning on the cores the candidate is timed on next."""
+    env = scrubbed_env(2, str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _SPIN_PROBE], env=env, capture_output=True, text=True, check=True)
+    assert float(out.stdout) < 0.05, f"the worker's process used {out.stdout.strip()} of a core while idle"
