@@ -94,6 +94,7 @@ class Search:
         self.confirmation = Confirmation(config.search.confirm, self.store, self.task.unit, self.reporter.note)
         self._best: Candidate | None = None
         self._evaluated = 0
+        self._unmeasured_seeds: set[str] = set()  # the task's seeds not yet measured: offers wait for them
         self._session = 0
 
     def _llm_operators(self) -> dict[str, Operator]:
@@ -119,6 +120,7 @@ class Search:
         queue = self._requeue_pending()
         resumed = len(queue)
         queue += self._initial_population()
+        self._unmeasured_seeds = {c.id for c in queue if c.operator == "seed"}
         executor = self._executor or make_pool(self.stored_run, self.workers, self.config.execution,
                                                self.config.evaluation.compiler.cc, backend_for(self.task))
         self.workers = executor.slots  # a cluster's slots are its nodes'
@@ -126,7 +128,8 @@ class Search:
         last_snapshot, stopped = 0.0, ""
         try:
             while True:
-                queue[:0] = self._new_offers()  # what a new offer makes possible goes first
+                if not self._unmeasured_seeds:  # an offer builds on the best measured: the task's seeds come first
+                    queue[:0] = self._new_offers()  # then what a new offer makes possible goes first
                 queue += self.proposer.harvest()
                 while executor.in_flight < self.workers and budget.may_submit(self._evaluated, executor.in_flight):
                     cand = queue.pop(0) if queue else self.proposer.propose()
@@ -285,6 +288,7 @@ class Search:
         self._best = found[0] if found else None
 
     def _finish(self, request: EvalRequest, result: EvalResult) -> None:
+        self._unmeasured_seeds.discard(request.key)
         descriptors = self._describe(request.genome, result)
         self.store.record_result(request.key, result, descriptors=descriptors)
         status = self._place(request.key, result, descriptors)

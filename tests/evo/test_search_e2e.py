@@ -188,6 +188,38 @@ def test_a_resumed_session_evaluates_the_offers_left_pending_first(tmp_path):
     resumed.stored_run.close()
 
 
+def test_an_offer_waits_until_the_tasks_seeds_are_measured(tmp_path):
+    """An offer builds on the best genome measured so far, so the task's own seeds (a hand-tuned engine, say) are
+    measured before offers jump the queue: offers first used to starve the seeds of a small budget."""
+    import numpy as np
+
+    from evo.config import load_config
+    from evo.rundir import create_run
+    from evo.search import Search
+    from genome import Genome
+
+    config = load_config(small_config(tmp_path, max_evals=4, n=64))
+    search = Search(config, create_run(tmp_path / "run", config))
+    offered = Genome(params=search.space.sample(np.random.default_rng(99)))
+    looks: list[bool] = []
+
+    def new_offers() -> list:  # a kernel offered at once, from the first look on
+        looks.append(True)
+        if len(looks) > 1:
+            return []
+        cand = search.proposer.add(offered, [], "offer")
+        return [cand] if cand is not None else []
+
+    search._new_offers = new_offers  # type: ignore[method-assign]
+    search.run()
+    evaluated = list(search.store.evaluated())
+    search.stored_run.close()
+    seeds = [c.eval_seq for c in evaluated if c.operator == "seed"]
+    offers = [c.eval_seq for c in evaluated if c.operator == "offer"]
+    assert len(seeds) == len(search.task.seeds()) >= 1 and len(offers) == 1
+    assert max(seeds) < offers[0]
+
+
 def test_a_run_builds_its_task_once_and_a_resumed_one_twice(tmp_path, monkeypatch):
     """The backend check, the summary's unit and the search share the task the config built (one ``evo run``
     used to build it four times); a resumed run builds the file's, then the stored config's."""

@@ -242,6 +242,7 @@ __attribute__((constructor)) static void arm(void) {
 
 
 def test_a_kernel_that_runs_between_its_calls_is_invalid(workdir, pool):
-    kernel = f"{SIGNATURE} {{\n    called = inside = 1;\n    if (M == 96 && N == 96) timed = 1;\n{COMPUTE}    inside = 0;\n}}\n"
+    kernel = (f"{SIGNATURE} {{\n    called = inside = 1;\n    if (M == 96 && N == 96) timed = 1;\n"
+              f"{COMPUTE}    inside = 0;\n}}\n")  # fmt: skip
     r = run(pool, _matmul(workdir, SPINS_WHILE_IDLE + kernel), timeout=120)
     assert r.status is Status.INVALID and "outside its calls" in r.error, r
