@@ -104,7 +104,7 @@ def pinned(core: int | None, count: int = 1, *, also: Sequence[int] = ()) -> Ite
     thread's affinity after. Yields the cores.
 
     One core per host thread: left free to move, a woken thread of a kernel's team often joined its waker's
-    core until the scheduler moved it, so the same kernel took 2.4 ms in one timing and 7.8 in the next."""
+    core until the scheduler moved it, so the same kernel took 3.2 ms in one timing and 7.8 in the next."""
     allowed = sorted(os.sched_getaffinity(0))
     count = max(1, min(count, len(allowed)))
     if core is None:

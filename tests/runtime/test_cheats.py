@@ -282,3 +282,26 @@ def test_every_element_of_a_14_bit_gemm_passes_alone_and_all_together_do_not():
         honest += np.outer(inst.inputs["A"][:, k], inst.inputs["B"][k, :])
     inst.arrays["C"] = honest
     compare(task, inst)
+
+
+# Computes only while it may run on more than one core: a timing pins each of its host's threads to one core,
+# the checks leave it two. A kernel that can tell a timing from a check this way is still checked while timed.
+SKIPS_WHEN_PINNED_TO_ONE_CORE = f"""
+#define _GNU_SOURCE
+#include <sched.h>
+{SIGNATURE} {{
+    cpu_set_t cores;
+    if (sched_getaffinity(0, sizeof cores, &cores) == 0 && CPU_COUNT(&cores) == 1) return;
+{COMPUTE}
+}}
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a two-thread task needs two cores")
+def test_a_kernel_that_works_only_when_it_sees_two_cores_is_wrong_when_timed(workdir, ctx):
+    spec = TaskSpec(name="matmul", args={"m": 128, "n": 128, "k": 128, "threads": 2})
+    g = Genome(source=SKIPS_WHEN_PINNED_TO_ONE_CORE)
+    settings = make_settings(workdir).model_copy(update={"check_trials": 1})
+    req = EvalRequest(key=g.id, genome=g, task=spec, settings=settings, cache_dir=os.path.join(workdir, "cache"))
+    r = evaluate(req, load_task_class(spec.name)(spec.args), ctx)
+    assert r.status is Status.WRONG and "timed call" in r.error, r
