@@ -72,6 +72,11 @@ class _SearchProcess:
                 return f" ({line[:300]})"
         return ""
 
+    def wait_until(self, ready: Callable[[], bool]) -> None:
+        """Returns once ``ready()`` holds or the process has ended (:meth:`wait` then says how)."""
+        while not ready() and self.proc.poll() is None:
+            time.sleep(0.1)
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -226,6 +231,9 @@ class Factory:
                 self.note(f"engine search round {n}: alongside the kernel searches, following their runs")
                 started.append(self._start(config, run_dir, max_evals=b.engine_evals - b.engine_after_kernels,
                                            confirm=False))  # its last session confirms
+                # it reads what the kernel runs hold once, as it starts: a kernel found before then would be part
+                # of its task from the outset rather than an offer it tries first
+                started[-1].wait_until(lambda: is_run(run_dir))
             at_once = self.config.execution.kind == "ray"  # a cluster has room for every search at once
             for group in ([pending] if at_once else [[s] for s in pending]):
                 kernels = [(s.task, self._start_kernel(n, s.task, s.evals)) for s in group]

@@ -164,6 +164,8 @@ def test_a_factory_profiles_plans_searches_and_promotes(factory):
         tried = [c for c in engine.evaluated() if c.operator == "offer"]
     assert {o["slot"] for o in offers} == {"gelu", "layernorm"}
     assert len({o["id"] for o in offers}) == len(offers)  # the resumed search offered none twice
+    # every kernel of the round came as an offer: none had landed when the engine search read its runs
+    assert {i for slot in ("gelu", "layernorm") for i in stored[slot]["ids"]} <= {o["id"] for o in offers}
     for o in offers:
         assert o["id"] in stored[o["slot"]]["offered"] and o["evaluations"] >= 0 and o["at"] > 0
     assert tried, "no candidate tried a newly offered kernel"
