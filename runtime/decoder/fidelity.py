@@ -29,17 +29,20 @@ class Floor:
     """The least fidelity a reduced-precision engine must keep: top-1 agreement at least ``top1`` and mean KL at
     most ``mean_kl`` nats against the fp32 engine."""
 
-    top1: float = 0.95
+    top1: float = 0.94
     mean_kl: float = 0.01
 
 
 DEFAULT_FLOOR = Floor()
-"""Top-1 >= 0.95 and mean KL <= 0.01 nats. Measured on SmolLM2-135M-Instruct (Q4_1), teacher-forced on the test
-sentences and the README's paragraphs (3,242 positions), against the fp32 engine: llama.cpp on the same file
-0.960 and 0.0039 (its activations quantised to 8 bits per block of 32), bf16 GEMMs 0.993 and 0.0002, int8 GEMMs
-with per-token activations 0.89 and 0.030 on every matrix: that does not hold it. Alone in int8 (the rest fp32) the
-QKV projection costs 0.008 nats, the attention output 0.0004, gate-up 0.004, down 0.009 and the LM head 0.008; the
-attention output and gate-up in int8 give 0.952 and 0.0049, at the edge of the floor."""
+"""Top-1 >= 0.94 and mean KL <= 0.01 nats: what llama.cpp's own arithmetic on the same file keeps. On
+SmolLM2-135M-Instruct (Q4_1) against the fp32 engine, llama.cpp measures 0.960 and 0.0039 teacher-forced on the test
+sentences and the README's paragraphs (3,242 positions; its activations quantised to 8 bits per block of 32), but
+0.947 and 0.0052 on the 454 positions of a factory's duel texts and 0.952 on the 1,426 of a search's
+(``bench/chat_fidelity_floor.py``): top-1 over a few hundred positions moves by a point from one text set to the
+next, so a floor of 0.95 failed llama.cpp itself. Mean KL is the finer measure. bf16 GEMMs 0.993 and 0.0002,
+int8 GEMMs with per-token activations 0.89 and 0.030 on every matrix: that does not hold it. Alone in int8 (the
+rest fp32) the QKV projection costs 0.008 nats, the attention output 0.0004, gate-up 0.004, down 0.009 and the LM
+head 0.008; the attention output and gate-up in int8 give 0.952 and 0.0049."""
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ def test_a_chat_factory_profiles_plans_searches_and_promotes(chat_factory: Path)
     duel = json.loads((chat_factory / "duels" / "round-1.json").read_text())
     c = duel["figures"]["candidate"]
     # fp32 GEMMs, whose only reduced precision can be a top-list head's (q8): within the promotion's floor
-    assert duel["unit"] == "tokens/s" and c["throughput"] > 0 and c["top1"] >= 0.95 and c["kl"] <= 0.01, duel
+    assert duel["unit"] == "tokens/s" and c["throughput"] > 0 and c["top1"] >= 0.94 and c["kl"] <= 0.01, duel
     assert duel["promoted"] is True and duel["engines"]["incumbent"] is None, duel["why"]
     # the search's best two, each in a duel of its own against the default engine: the one ahead by the most wins
     finalists = duel["finalists"]
