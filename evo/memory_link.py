@@ -61,12 +61,16 @@ class MemoryLink:
 
     # --- at the start ---------------------------------------------------------------------------
 
-    def seeds(self, space: ParamSpace, hardware: dict[str, Any], seed: int) -> list[Genome]:
-        """The nearest past discoveries for this task and machine, mapped into ``space``."""
+    def seeds(self, space: ParamSpace, hardware: dict[str, Any], seed: int, *,
+              max_evals: int | None = None) -> list[Genome]:
+        """The nearest past discoveries for this task and machine, mapped into ``space``: ``seed_k`` of them, and
+        at most a quarter of a run's ``max_evals`` (one at least), so that the run's own seeds and what it finds
+        keep most of a small budget."""
         from archive.memory import seed_genomes
 
         args = self.task.args.model_dump(mode="json")
-        hits = self.memory.nearest_for_task(self.task.name, args, hardware, k=self.settings.seed_k)
+        k = self.settings.seed_k if max_evals is None else min(self.settings.seed_k, max(1, max_evals // 4))
+        hits = self.memory.nearest_for_task(self.task.name, args, hardware, k=k)
         out = seed_genomes(hits, self.task, space, np.random.default_rng([seed, 2]))
         for _, run in out:
             self.seeded_from[run] = self.seeded_from.get(run, 0) + 1

@@ -225,7 +225,8 @@ class Search:
             return []
         from runtime.hardware import fingerprint
 
-        seeds = self.memory.seeds(self.space, fingerprint(self.config.evaluation.compiler.cc), self.config.search.seed)
+        seeds = self.memory.seeds(self.space, fingerprint(self.config.evaluation.compiler.cc), self.config.search.seed,
+                                  max_evals=self.config.budget.max_evals)
         if seeds:
             runs = ", ".join(f"{run} ({n})" for run, n in self.memory.seeded_from.items())
             self.reporter.note(f"memory: {len(seeds)} seeds from earlier runs: {runs}")

@@ -34,7 +34,8 @@ class MemorySettings(BaseModel):
         description="memory directory shared by runs (default: $EVOFORGE_MEMORY_DIR, else "
         "$XDG_CACHE_HOME/evoforge/memory, else ~/.cache/evoforge/memory)",
     )
-    seed_k: int = Field(8, ge=0, description="memory entries turned into seeds of the initial population")
+    seed_k: int = Field(8, ge=0, description="memory entries turned into seeds of the initial population (at most "
+                        "a quarter of the run's budget.max_evals)")
     novelty_threshold: float | None = Field(
         0.98,
         gt=0,

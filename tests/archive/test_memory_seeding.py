@@ -108,3 +108,21 @@ def test_novelty_rejects_a_near_identical_source_and_accepts_another(minilm):
     off = NoveltyFilter(minilm, None)
     off.add(code_text(naive))
     assert off.is_novel(code_text(naive))
+
+
+def test_memory_seeds_take_at_most_a_quarter_of_a_runs_budget(tmp_path, minilm):
+    """A small search seeded with all of ``seed_k`` would spend its budget measuring past discoveries again (a
+    factory's 10-evaluation engine search got 7 of them): at most a quarter of ``max_evals``, one at least."""
+    from archive.memory import MemorySettings
+    from evo.memory_link import MemoryLink
+    from runtime.tasks.matmul import Matmul
+
+    task = Matmul({"m": 1024, "n": 1024, "k": 1024})
+    with Memory(tmp_path, embedder=minilm) as mem:
+        mem.add([matmul(mr, nr, vs=1.0 + mr / 100) for mr in (2, 4, 6, 8) for nr in (16, 32, 48)])
+        link = MemoryLink(mem, MemorySettings(seed_k=8, novelty_threshold=None), task, "runs/new")
+        try:
+            counts = {n: len(link.seeds(task.space(), HERE, 0, max_evals=n)) for n in (None, 200, 10, 2)}
+        finally:
+            link.close()
+    assert counts == {None: 8, 200: 8, 10: 2, 2: 1}, counts
