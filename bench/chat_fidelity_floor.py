@@ -16,7 +16,6 @@ floors each holds: a floor llama.cpp itself misses on the same file is no bar a 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -27,11 +26,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from runtime.backends.base import WorkerContext  # noqa: E402
+from runtime.backends.chat_engine import ChatEngineBackend  # noqa: E402
 from runtime.decoder import DecoderOps  # noqa: E402
-from runtime.decoder.engine import ChatEngine, build  # noqa: E402
+from runtime.decoder.engine import ChatEngine  # noqa: E402
 from runtime.decoder.engine_task import ChatEngineTask  # noqa: E402
-from runtime.decoder.fidelity import Fidelity, fidelity, forced_logits  # noqa: E402
-from runtime.decoder.kernels import q8_lm_head  # noqa: E402
+from runtime.decoder.fidelity import fidelity  # noqa: E402
 
 FLOORS = (0.95, 0.94)
 
@@ -59,16 +59,11 @@ def llama_cpp_logits(path: Path, threads: int) -> Callable[[Sequence[int]], np.n
     return logits
 
 
-def hand_tuned_logits(task: ChatEngineTask) -> tuple[str, Callable[[Sequence[int]], np.ndarray]]:
-    """The task's hand-tuned seed engine as the search's check scores it (built-in kernels, one thread)."""
-    genes = task.seeds()[1].params if len(task.seeds()) > 1 else task.seeds()[0].params
-    engine = ChatEngine.model_validate({k: v for k, v in genes.items() if not k.startswith("kernel_")} | {"threads": 1})
-    cache = tempfile.mkdtemp(prefix="evo-fidelity-")
-    built = build(task.model(), engine, cache_dir=cache)
-    if engine.head == "topk":  # teacher-forcing reads every logit: the top list's arithmetic gives them
-        built.ops = dataclasses.replace(built.ops, lm_head=q8_lm_head(task.model(), cache_dir=cache))
-    name = f"ours {engine.linear}, {engine.kv_dtype} cache, {engine.head} head"
-    return name, forced_logits(built.model, built.ops)
+def hand_tuned(task: ChatEngineTask) -> ChatEngine:
+    """The task's hand-tuned seed engine (its built-in kernels), else its default one."""
+    seeds = task.seeds()
+    genes = (seeds[1] if len(seeds) > 1 else seeds[0]).params
+    return ChatEngine.model_validate({k: v for k, v in genes.items() if not k.startswith("kernel_")})
 
 
 def main() -> None:
@@ -82,14 +77,16 @@ def main() -> None:
     tasks = {name: ChatEngineTask({"model": args.model, "check_texts": args.texts, "check_skip": skip})
              for name, skip in sets.items()}  # fmt: skip
     first = next(iter(tasks.values()))
-    model = first.model()
-    ours_name, ours = hand_tuned_logits(first)
-    contestants = {"llama.cpp": llama_cpp_logits(first.model_path(), args.threads), ours_name: ours}
+    llama = llama_cpp_logits(first.model_path(), args.threads)
+    engine = hand_tuned(first)
+    ours = f"ours {engine.linear}, {engine.kv_dtype} cache, {engine.head} head"
+    backend = ChatEngineBackend()  # our engine scored as a search's check scores it
+    ctx = WorkerContext(cache_dir=tempfile.mkdtemp(prefix="evo-fidelity-"), work_dir=None, lock=None)
     print(f"{first.model_path().name}: teacher-forced against the fp32 engine")
     for set_name, task in tasks.items():
-        texts = task.check_texts()
-        for name, logits in contestants.items():
-            got: Fidelity = fidelity(model, DecoderOps(), logits, texts)
+        scored = {"llama.cpp": fidelity(task.model(), DecoderOps(), llama, task.check_texts()),
+                  ours: backend.fidelity(task, engine, ctx)}  # fmt: skip
+        for name, got in scored.items():
             misses = round((1 - got.top1) * got.positions)
             holds = ", ".join(f"{f:.2f} {'holds' if got.top1 >= f else 'misses'}" for f in FLOORS)
             print(f"  {set_name:15s} {name:38s} {got} ({misses} disagree)   top-1 floor {holds}")
