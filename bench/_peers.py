@@ -6,8 +6,9 @@ library's own bulk path: ``SentenceTransformer.encode(texts, batch_size=...)`` f
 by length); FastEmbed's ``embed(texts, batch_size=...)`` (it batches in arrival order, so it is measured a
 second time through :func:`length_sorted`); ONNX Runtime, which has no bulk path, through :func:`length_sorted`.
 
-:func:`cap_cpu` caps the libraries at AVX2 under ``EVOFORGE_CPU_ISA=avx2``; :data:`ISA_CAP` says how far
-each one can be capped.
+:func:`cap_cpu` caps the libraries at AVX2 under ``EVOFORGE_CPU_ISA=avx2``: through the CPUID mask where the CPU can
+fault CPUID (:func:`runtime.isa.cpuid_mask_environ`: every library), and each library's own setting besides;
+:func:`not_capped` says which ones stay uncapped, and why.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from runtime import isa  # first: under EVOFORGE_CPU_ISA, importing runtime caps
 # isort: split
 import numpy as np
 
-__all__ = ["ISA_CAP", "Peer", "build_peers", "cap_cpu", "has_avx512", "length_sorted", "versions"]
+__all__ = ["ISA_CAP", "Peer", "build_peers", "cap_cpu", "has_avx512", "length_sorted", "not_capped", "versions"]
 
 Embed = Callable[[list[str]], Any]  # texts -> [n, dim] embeddings
 
@@ -36,7 +37,7 @@ _PEER_CAPS = {
 }
 
 ISA_CAP: dict[str, str | None] = {
-    # library -> None where EVOFORGE_CPU_ISA=avx2 caps it, else why not (fully)
+    # library -> None where its own settings cap it, else why not (fully): what stays uncapped without the CPUID mask
     "evoforge": None,
     "torch": None,  # ATen (ATEN_CPU_CAPABILITY), MKL (MKL_ENABLE_INSTRUCTIONS), oneDNN (ONEDNN_MAX_CPU_ISA)
     "openvino": "partly: its oneDNN primitives honour ONEDNN_MAX_CPU_ISA, its own JIT kernels do not (OV_CPU_MAX_ISA "
@@ -50,16 +51,30 @@ ISA_CAP: dict[str, str | None] = {
 
 def cap_cpu() -> dict[str, str]:
     """Under ``EVOFORGE_CPU_ISA=avx2``, sets in this process's environment the variables that cap the libraries
-    at AVX2 (each only where unset), and returns what it set; ``{}`` otherwise. Call it before torch, ONNX
-    Runtime or OpenVINO load; the servers the bench starts inherit the environment."""
+    at AVX2 (each only where unset), and returns what it set; ``{}`` otherwise. Where the CPU can fault CPUID, it
+    first starts the program again with its CPUID masked (:func:`runtime.isa.exec_masked`). Call it before torch,
+    ONNX Runtime or OpenVINO load; the servers the bench starts inherit the environment and the mask."""
     if isa.level() == "native":  # raises IsaError for a value evoforge does not know
         return {}
+    isa.exec_masked()
     isa.cap_libraries()
     for name, value in _PEER_CAPS.items():
         os.environ.setdefault(name, value)
     names = ("OPENBLAS_CORETYPE", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
              "NPY_DISABLE_CPU_FEATURES", *_PEER_CAPS)  # fmt: skip
-    return {n: os.environ[n] for n in names if n in os.environ}
+    caps = {n: os.environ[n] for n in names if n in os.environ}
+    if isa.cpuid_masked():
+        caps["CPUID"] = "AVX2+FMA"
+    return caps
+
+
+def not_capped() -> dict[str, str]:
+    """Library -> why it is not (fully) capped at AVX2 in this process: none under the CPUID mask."""
+    if isa.cpuid_masked():
+        return {}
+    why = {lib: reason for lib, reason in ISA_CAP.items() if reason}
+    fault = "; this CPU cannot fault CPUID, which would cap it" if not isa.cpuid_faulting() else ""
+    return {lib: reason + fault for lib, reason in why.items()}
 
 
 def has_avx512() -> bool:

@@ -6,14 +6,24 @@ every AVX-512, AMX and AVX-VNNI flag, so the factory's plans, the engine's slots
 CPU runs; candidates compile with ``-march=x86-64-v3`` instead of ``-march=native``; and the libraries that
 take a cap are capped (:func:`cap_libraries`: OpenBLAS, oneDNN, PyTorch's kernels, numpy's dispatch). Unset
 or ``native``: everything the CPU has.
+
+Libraries with no cap of their own (ONNX Runtime's MLAS, OpenVINO's JIT kernels) read the CPU through the CPUID
+instruction. Where the CPU can make CPUID fault (``cpuid_fault`` in /proc/cpuinfo: Intel since Ivy Bridge, under
+most hypervisors), :func:`cpuid_mask_environ` gives a process started with it a CPUID that answers as the level
+does (``cpuid_mask.c``, preloaded), so that every library in it, and in its children, is capped.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
-from collections.abc import Iterable, MutableMapping
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable, Mapping, MutableMapping
 
-__all__ = ["ENV", "LEVELS", "IsaError", "cap_libraries", "level", "march", "masked"]
+__all__ = ["ENV", "LEVELS", "IsaError", "cap_libraries", "cpuid_faulting", "cpuid_mask_environ", "cpuid_mask_library",
+           "cpuid_masked", "exec_masked", "level", "march", "masked"]
 
 ENV = "EVOFORGE_CPU_ISA"
 
@@ -78,3 +88,80 @@ def _numpy_major() -> int:
         return int(version("numpy").split(".")[0])
     except (PackageNotFoundError, ValueError):
         return 0
+
+
+_MASK_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpuid_mask.c")
+# glibc picks its string functions from CPUID before any preloaded library runs: its own tunables cap it.
+_GLIBC_HWCAPS = "glibc.cpu.hwcaps=-AVX512F,-AVX512DQ,-AVX512CD,-AVX512BW,-AVX512VL,-AVX512ER,-AVX512PF"
+
+
+def cpuid_faulting(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU can make CPUID fault for a process (what :func:`cpuid_mask_environ` needs)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "cpuid_fault" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def cpuid_mask_library(cache_dir: str | None = None, cc: str = "cc") -> str:
+    """The CPUID mask (``cpuid_mask.c``) built as a shared library into ``cache_dir`` (default
+    ``~/.cache/evoforge/isa``), once per source."""
+    import hashlib
+
+    with open(_MASK_SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    cache = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "evoforge", "isa")
+    final = os.path.join(cache, f"cpuid-mask-{digest}.so")
+    if os.path.exists(final):
+        return final
+    os.makedirs(cache, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = os.path.join(tmp, "mask.so")
+        cmd = [cc, "-O2", "-shared", "-fPIC", "-o", built, _MASK_SOURCE, "-ldl"]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"the CPUID mask does not build with {cc}: {done.stderr.strip()[-400:]}")
+        os.replace(built, final)
+    return final
+
+
+def cpuid_mask_environ(environ: Mapping[str, str] | None = None, cache_dir: str | None = None) -> dict[str, str]:
+    """Under the AVX2 level, on a CPU with CPUID faulting, ``environ`` (``os.environ`` by default) with the CPUID mask
+    preloaded and glibc capped: a process started with it, and its children, see a CPU with AVX2 and FMA only.
+    Otherwise ``environ`` unchanged (natively nothing is masked; without CPUID faulting nothing can be)."""
+    env = dict(environ if environ is not None else os.environ)
+    if level(env) == "native" or not cpuid_faulting() or shutil.which("cc") is None:
+        return env
+    lib = cpuid_mask_library(cache_dir)
+    preload = env.get("LD_PRELOAD", "").split()
+    env["LD_PRELOAD"] = " ".join([lib, *(p for p in preload if p != lib)])
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.cpu.hwcaps=")]
+    env["GLIBC_TUNABLES"] = ":".join([*tunables, _GLIBC_HWCAPS])
+    return env
+
+
+def cpuid_masked() -> bool:
+    """Whether this process's CPUID answers through the mask (it was started with :func:`cpuid_mask_environ`)."""
+    try:
+        return bool(ctypes.CDLL(None).evoforge_cpuid_masked())
+    except AttributeError:
+        return False
+
+
+def exec_masked() -> None:
+    """Under the AVX2 level, on a CPU with CPUID faulting, starts this program again in place (``os.execve``,
+    same arguments) with its CPUID masked, unless it already is; otherwise returns. A script calls it first, before
+    the libraries it caps load."""
+    if level() == "native" or cpuid_masked():
+        return
+    env = cpuid_mask_environ()
+    if "LD_PRELOAD" in env and env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

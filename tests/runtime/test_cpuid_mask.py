@@ -1,0 +1,117 @@
+"""The CPUID mask: a process started under ``EVOFORGE_CPU_ISA=avx2`` with :func:`runtime.isa.cpuid_mask_environ`
+sees a CPU with AVX2 and FMA only, in every thread and child, and its faults and handlers behave as before."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from runtime import isa
+
+pytestmark = pytest.mark.skipif(
+    not isa.cpuid_faulting(),
+    reason="this CPU cannot make CPUID fault for a process: nothing masks its CPUID (test_slots_every_cpu covers the "
+    "flags mask itself)",
+)
+
+# Prints, for the main thread, a thread that blocks every signal, a forked child and a re-executed child:
+# AVX512F, AVX2 (leaf 7) and FMA (leaf 1). With an argument it installs a SIGSEGV handler first, or faults with none.
+PROBE = r"""
+#include <cpuid.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static void show(const char *who) {
+    unsigned a, b, c, d, fma;
+    __cpuid(1, a, b, fma, d);
+    __cpuid_count(7, 0, a, b, c, d);
+    printf("%s avx512f=%u avx2=%u fma=%u\n", who, (b >> 16) & 1, (b >> 5) & 1, (fma >> 12) & 1);
+    fflush(stdout);
+}
+static void *thread(void *arg) {  /* as thread pools do: every signal blocked */
+    sigset_t all; sigfillset(&all); pthread_sigmask(SIG_BLOCK, &all, 0);
+    (void)arg; show("thread"); return 0;
+}
+static void caught(int sig) { (void)sig; show("handler"); _exit(3); }
+int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "exec")) { show("exec"); return 0; }
+    if (argc > 1 && !strcmp(argv[1], "handled")) {
+        struct sigaction sa; memset(&sa, 0, sizeof sa); sa.sa_handler = caught; sigaction(SIGSEGV, &sa, 0);
+    }
+    show("main");
+    if (argc > 1) { show("again"); *(volatile int *)0 = 1; return 1; }
+    pthread_t t; pthread_create(&t, 0, thread, 0); pthread_join(t, 0);
+    if (fork() == 0) { show("fork"); execl("/proc/self/exe", argv[0], "exec", (char *)0); _exit(9); }
+    int status; wait(&status);
+    return WEXITSTATUS(status);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory: pytest.TempPathFactory) -> str:
+    d = tmp_path_factory.mktemp("cpuid")
+    (d / "probe.c").write_text(PROBE)
+    subprocess.run(["cc", "-O1", "-pthread", "-o", str(d / "probe"), str(d / "probe.c")], check=True)
+    return str(d / "probe")
+
+
+def _masked_env() -> dict[str, str]:
+    env = isa.cpuid_mask_environ({**os.environ, isa.ENV: "avx2"})
+    assert "cpuid-mask" in env["LD_PRELOAD"] and "hwcaps" in env["GLIBC_TUNABLES"]
+    return env
+
+
+def _lines(out: str) -> dict[str, str]:
+    return {line.split()[0]: " ".join(line.split()[1:]) for line in out.splitlines()}
+
+
+def test_every_thread_and_child_sees_avx2_and_fma_only(probe: str) -> None:
+    native = _lines(subprocess.run([probe], capture_output=True, text=True, check=True).stdout)
+    masked = subprocess.run([probe], capture_output=True, text=True, env=_masked_env())
+    assert masked.returncode == 0, masked.stderr
+    seen = _lines(masked.stdout)
+    assert set(seen) == {"main", "thread", "fork", "exec"}
+    assert set(seen.values()) == {"avx512f=0 avx2=1 fma=1"}, seen
+    assert native["main"].endswith("avx2=1 fma=1")  # what it keeps is the CPU's own
+
+
+def test_a_fault_still_ends_the_process_and_a_handler_still_runs(probe: str) -> None:
+    env = _masked_env()
+    crash = subprocess.run([probe, "crash"], capture_output=True, text=True, env=env)
+    assert crash.returncode == -signal.SIGSEGV
+    assert _lines(crash.stdout)["again"] == "avx512f=0 avx2=1 fma=1"  # masked after the handler was installed
+    handled = subprocess.run([probe, "handled"], capture_output=True, text=True, env=env)
+    assert handled.returncode == 3, handled.stdout + handled.stderr  # its own handler ran on the real fault
+    assert _lines(handled.stdout)["handler"] == "avx512f=0 avx2=1 fma=1"
+
+
+def test_python_with_faulthandler_and_numpy_reads_the_masked_cpu() -> None:
+    code = ("import runtime.isa as i; from numpy._core._multiarray_umath import __cpu_features__ as f; "
+            "print(i.cpuid_masked(), f['AVX512F'], f['AVX2'], f['FMA3'])")  # fmt: skip
+    out = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                         env=_masked_env(), check=True)  # fmt: skip
+    assert out.stdout.split() == ["True", "False", "True", "True"], out.stderr
+
+
+def test_natively_nothing_is_preloaded() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
+    assert isa.cpuid_mask_environ({**env, isa.ENV: "native"}) == {**env, isa.ENV: "native"}
+
+
+def test_a_script_starts_again_masked_with_its_arguments(tmp_path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nfrom runtime import isa\n"
+                      "isa.exec_masked()\nprint(isa.cpuid_masked(), sys.argv[1:])\n")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    for level, masked in (("avx2", "True"), ("native", "False")):
+        out = subprocess.run([sys.executable, str(script), "a b", "--c"], capture_output=True, text=True,
+                             env={**env, isa.ENV: level}, check=True)  # fmt: skip
+        assert out.stdout.strip() == f"{masked} ['a b', '--c']", out.stderr
