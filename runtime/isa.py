@@ -8,9 +8,9 @@ take a cap are capped (:func:`cap_libraries`: OpenBLAS, oneDNN, PyTorch's kernel
 or ``native``: everything the CPU has.
 
 Libraries with no cap of their own (ONNX Runtime's MLAS, OpenVINO's JIT kernels) read the CPU through the CPUID
-instruction. Where the CPU can make CPUID fault (``cpuid_fault`` in /proc/cpuinfo: Intel since Ivy Bridge, under
-most hypervisors), :func:`cpuid_mask_environ` gives a process started with it a CPUID that answers as the level
-does (``cpuid_mask.c``, preloaded), so that every library in it, and in its children, is capped.
+instruction. Where the CPU can make CPUID fault (``cpuid_fault`` in /proc/cpuinfo), :func:`cpuid_mask_environ`
+gives a process started with it a CPUID that answers as the level does (``cpuid_mask.c``, preloaded), so that
+every library in it, and in its children, is capped.
 """
 
 from __future__ import annotations
