@@ -99,11 +99,12 @@ def timed(bulk: Callable[[list[str]], Any], texts: list[str]) -> float:
 
 
 def engine_bulk(engine: Any, texts: list[str]) -> float:
-    """Sentences/s of the engine over all of ``texts`` submitted at once to its own batcher and workers."""
+    """Sentences/s of the engine over all of ``texts`` through its bulk path (``submit_all``: longest first to its
+    own batcher and workers)."""
     engine.start()
     try:
         t0 = time.perf_counter()
-        for fut in [engine.submit(t) for t in texts]:
+        for fut in engine.submit_all(texts):
             fut.result()
         return len(texts) / (time.perf_counter() - t0)
     finally:
@@ -245,7 +246,8 @@ def main() -> None:
         peer = next((p for p in peers if p.name == name), None)
         server = next((s for s in servers if s.name == name), None)
         library = peer.library if peer else server.library if server else "evoforge"
-        bulk_path = peer.bulk_path if peer else None if server else "submitted at once to its own queue and workers"
+        bulk_path = (peer.bulk_path if peer else None if server
+                     else "submit_all: longest first to its own queue and workers")  # fmt: skip
         rows.append({"name": name, "ours": library == "evoforge", "mode": "HTTP" if server else "in process",
                      "min_cosine": similarity[name], **median_figures(runs.get(name, [])),
                      "bulk": float(np.median(bulk_runs[name])) if bulk_runs.get(name) else None,

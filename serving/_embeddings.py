@@ -98,7 +98,7 @@ def _awaitable(fut: Future[Any]) -> asyncio.Future[Any]:
 @router.post("/v1/embeddings", tags=["embeddings"], responses=errors(400, 401, 404, 413, 429, 503))
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     """Embeds the input texts (pooled and normalised as the served model does) through the engine's batcher."""
-    from runtime.engine import QueueFull
+    from runtime.engine import QueueFull, longest_first
 
     state: State = request.app.state.serving
     t0 = time.perf_counter()
@@ -125,7 +125,9 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
             state.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, "the engine's queue is full: retry later", code="queue_full")
         try:
-            submitted = [(time.perf_counter(), runner.submit(s)) for s in seqs]
+            submitted = [(0.0, Future())] * len(seqs)  # in the order of the texts, submitted longest first
+            for i in longest_first([len(s) for s in seqs]):
+                submitted[i] = (time.perf_counter(), runner.submit(seqs[i]))
         except QueueFull:
             state.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, "the engine's queue is full: retry later", code="queue_full") from None

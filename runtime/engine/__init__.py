@@ -17,7 +17,7 @@ from runtime.engine.kernel_runs import KernelSource, build_ops
 from runtime.engine.load import LoadResult, closed_loop
 from runtime.engine.model import Model, ModelConfig, Precision, load_model
 from runtime.engine.ops import SLOTS, Ops, c_slot, numpy_ops, tasks_of_slot
-from runtime.engine.scheduler import Batcher, BatcherClosed, QueueFull
+from runtime.engine.scheduler import Batcher, BatcherClosed, QueueFull, longest_first
 from runtime.followed_runs import OpenRun, RunNotFound, RunReader
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ __all__ = [
     "build_ops",
     "c_slot",
     "closed_loop",
+    "longest_first",
     "elite_task",
     "load_elite",
     "load_model",

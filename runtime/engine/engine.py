@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runtime.engine.model import Model, Precision
 from runtime.engine.ops import SLOTS, Ops
-from runtime.engine.scheduler import Batcher, length_class
+from runtime.engine.scheduler import Batcher, length_class, longest_first
 from runtime.engine.workers import ProcessWorkers
 
 __all__ = ["Engine", "EngineConfig", "fit_threads"]
@@ -162,6 +162,18 @@ class Engine:
             raise RuntimeError("start() the engine before submitting")
         seq = self.model.tokenizer.encode(text)
         return self._batcher.submit(seq, len(seq))
+
+    def submit_all(self, texts: Sequence[str]) -> list[Future[np.ndarray]]:
+        """Queues all of ``texts`` at once, longest first (:func:`~runtime.engine.scheduler.longest_first`), and
+        returns their futures in the order of ``texts``: the engine's bulk path, over every worker. Raises
+        :class:`runtime.engine.QueueFull` when they do not fit in the queue."""
+        if self._batcher is None:
+            raise RuntimeError("start() the engine before submitting")
+        seqs = self.model.tokenizer.encode_batch(list(texts))
+        futures: list[Future[np.ndarray]] = [Future()] * len(seqs)
+        for i in longest_first([len(s) for s in seqs]):
+            futures[i] = self._batcher.submit(seqs[i], len(seqs[i]))
+        return futures
 
     @property
     def batches(self) -> int:

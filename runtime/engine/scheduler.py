@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-__all__ = ["Batcher", "BatcherClosed", "QueueFull", "length_class"]
+__all__ = ["Batcher", "BatcherClosed", "QueueFull", "length_class", "longest_first"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -38,6 +38,13 @@ class BatcherClosed(RuntimeError):
 def length_class(tokens: int) -> int:
     """The power of two at or above ``tokens`` (at least 8): the length bucket of a request."""
     return max(8, 1 << (max(tokens, 1) - 1).bit_length())
+
+
+def longest_first(lengths: Sequence[int]) -> list[int]:
+    """Indices of ``lengths`` from the longest to the shortest (ties in order). Submitted in this order, the
+    requests of one list queue next to others of their length, so its batches pad little, and the cheapest
+    batches come last, where the workers finish together."""
+    return sorted(range(len(lengths)), key=lambda i: -lengths[i])
 
 
 @dataclass

@@ -170,3 +170,21 @@ def test_openmp_kernels_run_on_thread_workers_never_in_forked_children(model, se
     finally:
         engine.close()
     assert "OpenMP kernels cannot run in forked workers" in caplog.text
+
+
+def test_the_bulk_path_runs_longest_first_and_answers_in_the_order_of_the_texts(model, sentences):
+    texts = [" ".join([sentences[i]] * (1 + i % 3)) for i in range(24)]  # three lengths, interleaved
+    expected = Engine(model, numpy_ops(), EngineConfig()).embed(texts)
+    engine = Engine(model, numpy_ops(), EngineConfig(workers=1, max_batch=4, bucketing="none"))
+    lengths: list[int] = []
+    forward = engine.run_batch
+
+    def run_batch(seqs):  # the engine's own forward, recording the order it runs in
+        lengths.extend(len(s) for s in seqs)
+        return forward(seqs)
+
+    engine.run_batch = run_batch  # type: ignore[method-assign]
+    with engine:
+        got = np.stack([f.result(timeout=60) for f in engine.submit_all(texts)])
+    np.testing.assert_allclose(got, expected, atol=2e-6)
+    assert len(lengths) == len(texts) and lengths == sorted(lengths, reverse=True)
