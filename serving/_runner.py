@@ -61,7 +61,8 @@ class EngineRunner:
             workers = engine.threads[0] if engine.threads else c.workers
             self.batcher: Batcher[np.ndarray, tuple[np.ndarray, BatchInfo]] = Batcher(
                 self._run, max_batch=c.max_batch, token_budget=c.token_budget, max_wait_ms=c.max_wait_ms,
-                queue_size=c.queue_size, workers=workers, bucketing=c.bucketing == "queue", name="evoforge-serve")
+                queue_size=c.queue_size, workers=workers, bucketing=c.bucketing == "queue",
+                split=c.bucketing == "split", name="evoforge-serve")
         except BaseException:
             engine.close()  # its children and kernels: the caller never gets a runner to close
             raise

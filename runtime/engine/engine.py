@@ -37,7 +37,8 @@ class EngineConfig(BaseModel):
     max_wait_ms: float = Field(0.0, ge=0, description="how long a batch waits for more requests once it has one")
     token_budget: int = Field(8192, ge=1, description="tokens per batch at most (sum over its requests)")
     bucketing: Literal["none", "split", "queue"] = Field(
-        "split", description="none: one padded batch; split: a batch runs as sub-batches of similar lengths; "
+        "split", description="none: one padded batch; split: a batch runs as sub-batches of one length class each, "
+        "longest first, each answered when done; "
         "queue: requests queue by length class and a batch comes from one class")
     pack: bool = Field(True, description="token-wise operators run on the real tokens only (no padding)")
     workers: int = Field(1, ge=1, description="scheduler workers (batches run concurrently)")
@@ -147,7 +148,7 @@ class Engine:
         self._batcher = Batcher(
             lambda seqs: list(run(seqs)), max_batch=c.max_batch, token_budget=c.token_budget,
             max_wait_ms=c.max_wait_ms, queue_size=c.queue_size, workers=self.threads[0] if self.threads else 1,
-            bucketing=c.bucketing == "queue",
+            bucketing=c.bucketing == "queue", split=c.bucketing == "split",
         )
         return self
 

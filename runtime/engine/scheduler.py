@@ -5,7 +5,10 @@ of the requests' token counts; a single request over the budget still goes alone
 ``max_wait_ms`` for more (default 0: never wait). With ``bucketing="queue"`` requests queue by length
 class (powers of two) and a batch comes from the class whose oldest request has waited longest, so a
 batch holds similar lengths and pads little; otherwise one FIFO queue. The queue is bounded: a request
-beyond ``queue_size`` is refused with :class:`QueueFull`, never buffered.
+beyond ``queue_size`` is refused with :class:`QueueFull`, never buffered. With ``split``, a batch runs as one
+``run`` per length class in it, longest first, and each class's requests are answered as soon as theirs is
+done: a short request does not wait for the long ones batched with it, and the long ones, the tail of the
+latency, wait for nothing.
 
 Workers are threads calling ``run``; an engine with process workers passes a ``run`` that hands the
 batch to a forked child (:mod:`runtime.engine.workers`), so the scheduling is the same for both.
@@ -69,13 +72,14 @@ class Batcher(Generic[T, R]):
         queue_size: int = 1024,
         workers: int = 1,
         bucketing: bool = False,
+        split: bool = False,
         name: str = "evoforge-batcher",
     ) -> None:
         if max_batch < 1 or token_budget < 1 or queue_size < 1 or workers < 1 or max_wait_ms < 0:
             raise ValueError("max_batch, token_budget, queue_size and workers must be >= 1, max_wait_ms >= 0")
         self._run = run
         self.max_batch, self.token_budget, self.max_wait = max_batch, token_budget, max_wait_ms / 1000.0
-        self.queue_size, self.bucketing = queue_size, bucketing
+        self.queue_size, self.bucketing, self.split = queue_size, bucketing, split
         self._queues: dict[int, collections.deque[_Request[T, R]]] = {}
         self._queued = 0
         self._seq = 0
@@ -174,16 +178,29 @@ class Batcher(Generic[T, R]):
             batch = self._next_batch()
             if batch is None:
                 return
-            try:
-                results = self._run([r.item for r in batch])
-                if len(results) != len(batch):
-                    raise RuntimeError(f"the batch function returned {len(results)} results for {len(batch)} items")
-            except BaseException as exc:  # noqa: BLE001 - every waiting client gets the error
-                for r in batch:
-                    r.future.set_exception(exc)
-                continue
-            for r, res in zip(batch, results, strict=True):
-                r.future.set_result(res)
+            for part in self._parts(batch):
+                self._answer(part)
             with self._cond:
                 self.batches += 1
                 self.served += len(batch)
+
+    def _parts(self, batch: list[_Request[T, R]]) -> list[list[_Request[T, R]]]:
+        """``batch`` as it runs: whole, or with ``split`` one part per length class, longest first."""
+        if not self.split or len(batch) < 2:
+            return [batch]
+        classes: dict[int, list[_Request[T, R]]] = {}
+        for r in batch:
+            classes.setdefault(length_class(r.tokens), []).append(r)
+        return [classes[k] for k in sorted(classes, reverse=True)]
+
+    def _answer(self, part: list[_Request[T, R]]) -> None:
+        try:
+            results = self._run([r.item for r in part])
+            if len(results) != len(part):
+                raise RuntimeError(f"the batch function returned {len(results)} results for {len(part)} items")
+        except BaseException as exc:  # noqa: BLE001 - every waiting client gets the error
+            for r in part:
+                r.future.set_exception(exc)
+            return
+        for r, res in zip(part, results, strict=True):
+            r.future.set_result(res)

@@ -125,3 +125,24 @@ def test_errors_reach_every_client_of_the_batch_and_the_batcher_goes_on():
 
 def test_length_classes():
     assert [length_class(t) for t in (1, 8, 9, 16, 17, 256)] == [8, 8, 16, 16, 32, 256]
+
+
+def test_a_split_batch_runs_each_length_class_longest_first_and_answers_it_at_once():
+    gate, calls, futs = threading.Event(), [], {}
+
+    def run(items):
+        gate.wait(10)
+        # every class that ran before this one has its answers already
+        calls.append((items, all(futs[i].done() for done, _ in calls for i in done)))
+        return [i * 10 for i in items]
+
+    tokens = {0: 5, 1: 9, 2: 100, 3: 30, 4: 120, 5: 8}  # classes 8, 16, 128, 32, 128, 8
+    with Batcher(run, max_batch=8, split=True) as b:
+        futs[0] = b.submit(0, tokens[0])
+        time.sleep(0.05)  # the worker holds item 0 at the gate: the rest queue as one batch
+        futs.update({i: b.submit(i, tokens[i]) for i in range(1, 6)})
+        gate.set()
+        assert [futs[i].result(timeout=10) for i in range(6)] == [0, 10, 20, 30, 40, 50]
+    assert [items for items, _ in calls] == [[0], [2, 4], [3], [1], [5]]
+    assert all(answered for _, answered in calls)
+    assert b.batches == 2 and b.served == 6
