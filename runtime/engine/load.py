@@ -41,6 +41,7 @@ class LoadResult:
     p99_ms: float
     mean_ms: float
     refused: int  # QueueFull answers (a closed loop within queue_size never sees one)
+    latencies_ms: tuple[float, ...] = ()  # every counted request's, to pool rounds for a steadier p99
 
 
 def closed_loop(
@@ -96,4 +97,5 @@ def closed_loop(
         p99_ms=float(np.percentile(lat, 99)),
         mean_ms=float(lat.mean()),
         refused=sum(refused),
+        latencies_ms=tuple(float(x) for x in lat) if n else (),
     )

@@ -44,6 +44,22 @@ def _row(name: str, throughput: float, *, ours: bool = False, cosine: float = 1.
             "p99_ms": p99, "bulk": bulk}  # fmt: skip
 
 
+def test_latency_percentiles_pool_every_rounds_requests() -> None:
+    from runtime.engine import LoadResult
+
+    def round_of(latencies: list[float]) -> LoadResult:
+        lat = np.array(latencies)
+        return LoadResult(len(lat), 1.0, len(lat), float(np.percentile(lat, 50)), float(np.percentile(lat, 99)),
+                          float(lat.mean()), 0, tuple(latencies))  # fmt: skip
+
+    # two calm rounds and one with a slow spell: the median of the per-round p99s hides the spell
+    runs = [round_of([10.0] * 99 + [20.0]), round_of([10.0] * 99 + [20.0]), round_of([10.0] * 90 + [500.0] * 10)]
+    fig = bench.median_figures(runs)
+    assert fig["throughput"] == 100 and fig["rounds"] == [100, 100, 100]
+    assert np.median([r.p99_ms for r in runs]) < 21 and fig["p99_ms"] == pytest.approx(500.0)
+    assert fig["p50_ms"] == 10.0 and fig["completed"] == 300
+
+
 def test_versus_takes_the_strongest_peer_above_the_cosine_floor() -> None:
     rows = [_row("ours", 300.0, ours=True, p99=90.0, bulk=600.0), _row("ours, slower", 100.0, ours=True),
             _row("fast but wrong", 900.0, cosine=0.98, bulk=900.0), _row("peer", 150.0, p99=120.0, bulk=500.0),
