@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Iterable, Mapping, MutableMapping
 
 __all__ = ["ENV", "LEVELS", "IsaError", "cap_libraries", "cpuid_faulting", "cpuid_mask_environ", "cpuid_mask_library",
-           "cpuid_masked", "exec_masked", "level", "march", "masked"]
+           "cpuid_masked", "exec_masked", "carried", "level", "march", "masked"]
 
 ENV = "EVOFORGE_CPU_ISA"
 
@@ -165,3 +165,18 @@ def exec_masked() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def carried(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a child started with a scrubbed environment (an engine's host) needs of ``environ`` (``os.environ``
+    by default) to run at the same level: ``EVOFORGE_CPU_ISA``, the libraries' caps, and the CPUID mask where it
+    is preloaded (that library alone of ``LD_PRELOAD``, and glibc's tunables)."""
+    env = environ if environ is not None else os.environ
+    names = (ENV, *_CAPS, _NUMPY2_CAP[0])
+    out = {name: env[name] for name in names if name in env}
+    mask = [p for p in env.get("LD_PRELOAD", "").split() if os.path.basename(p).startswith("cpuid-mask-")]
+    if mask:
+        out["LD_PRELOAD"] = " ".join(mask)
+        if "GLIBC_TUNABLES" in env:
+            out["GLIBC_TUNABLES"] = env["GLIBC_TUNABLES"]
+    return out

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from runtime import isa
 from runtime.executors.base import EvalRequest, Executor
 from runtime.executors.local import LocalPool, request_backend
 from runtime.result import EvalResult, Status
@@ -96,8 +97,9 @@ def _require_reachable(address: str | None, timeout: float = 5.0) -> None:
 
 
 def _scrub_environment() -> None:
+    level = isa.carried()  # the node's instruction-set level stays: its workers compile and run at it
     for key in list(os.environ):
-        if key not in _KEPT_ENV and not key.startswith(_KEPT_ENV_PREFIXES):
+        if key not in _KEPT_ENV and key not in level and not key.startswith(_KEPT_ENV_PREFIXES):
             del os.environ[key]
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime import isa
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.kernel_runs import KernelSource
 from runtime.engine.model import Model
@@ -457,7 +458,8 @@ def spawn_host(model: Model, config: EngineConfig, spec: Mapping[str, Any],
                env: Mapping[str, str] | None = None) -> HostedEngine:  # fmt: skip
     """A host started from a fresh interpreter building ``spec`` (:func:`runtime.sandbox.engine_host.main`; its
     ``config`` is set from ``config``). Its environment is ``env`` (default: this process's ``PATH``, ``HOME``,
-    locale, ``PYTHONPATH``, offline and thread settings, nothing else: no key). It inherits no descriptor but
+    locale, ``PYTHONPATH``, offline and thread settings, and its instruction-set level (:func:`runtime.isa.carried`),
+    nothing else: no key). It inherits no descriptor but
     its socket and the spec's pipe, drops to the sandbox user, and prints to a file of its own, forwarded to
     this process's stderr when it ends."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -465,6 +467,7 @@ def spawn_host(model: Model, config: EngineConfig, spec: Mapping[str, Any],
         env = {k: v for k, v in os.environ.items()
                if k in ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
                or k.endswith("_NUM_THREADS")}  # fmt: skip
+        env.update(isa.carried())
     global _OUT_DIR
     if _OUT_DIR is None or not os.path.isdir(_OUT_DIR):
         sweep_work_dirs()  # what servers killed earlier left

@@ -18,6 +18,7 @@ import pwd
 import resource
 from collections.abc import Iterable, Iterator
 
+from runtime import isa
 from runtime.settings import SandboxSettings
 
 __all__ = [
@@ -46,8 +47,10 @@ def sandbox_ids() -> tuple[int, int] | None:
 
 
 def scrubbed_env(threads: int, work_dir: str, gpu: str | None = None) -> dict[str, str]:
-    """The worker's whole environment: a few basics and thread counts, never the controller's secrets."""
+    """The worker's whole environment: a few basics, thread counts and the instruction-set level in force
+    (:func:`runtime.isa.carried`: candidates compile, and libraries run, at it), never the controller's secrets."""
     env = {k: os.environ[k] for k in _KEPT_ENV if k in os.environ}
+    env.update(isa.carried())
     env.setdefault("PATH", os.defpath)
     env.setdefault("LANG", "C.UTF-8")
     n = str(threads)

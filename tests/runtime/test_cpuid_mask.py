@@ -1,5 +1,6 @@
-"""The CPUID mask: a process started under ``EVOFORGE_CPU_ISA=avx2`` with :func:`runtime.isa.cpuid_mask_environ`
-sees a CPU with AVX2 and FMA only, in every thread and child, and its faults and handlers behave as before."""
+"""``EVOFORGE_CPU_ISA=avx2`` in every process: under the CPUID mask (:func:`runtime.isa.cpuid_mask_environ`) a
+process sees a CPU with AVX2 and FMA only, in every thread and child, and its faults and handlers behave as
+before; and a sandbox worker, started with a scrubbed environment, compiles and runs at the level too."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from runtime import isa
 
-pytestmark = pytest.mark.skipif(
+needs_faulting = pytest.mark.skipif(
     not isa.cpuid_faulting(),
     reason="this CPU cannot make CPUID fault for a process: nothing masks its CPUID (test_slots_every_cpu covers the "
     "flags mask itself)",
@@ -73,6 +74,7 @@ def _lines(out: str) -> dict[str, str]:
     return {line.split()[0]: " ".join(line.split()[1:]) for line in out.splitlines()}
 
 
+@needs_faulting
 def test_every_thread_and_child_sees_avx2_and_fma_only(probe: str) -> None:
     native = _lines(subprocess.run([probe], capture_output=True, text=True, check=True).stdout)
     masked = subprocess.run([probe], capture_output=True, text=True, env=_masked_env())
@@ -83,6 +85,7 @@ def test_every_thread_and_child_sees_avx2_and_fma_only(probe: str) -> None:
     assert native["main"].endswith("avx2=1 fma=1")  # what it keeps is the CPU's own
 
 
+@needs_faulting
 def test_a_fault_still_ends_the_process_and_a_handler_still_runs(probe: str) -> None:
     env = _masked_env()
     crash = subprocess.run([probe, "crash"], capture_output=True, text=True, env=env)
@@ -93,6 +96,7 @@ def test_a_fault_still_ends_the_process_and_a_handler_still_runs(probe: str) -> 
     assert _lines(handled.stdout)["handler"] == "avx512f=0 avx2=1 fma=1"
 
 
+@needs_faulting
 def test_python_with_faulthandler_and_numpy_reads_the_masked_cpu() -> None:
     code = ("import runtime.isa as i; from numpy._core._multiarray_umath import __cpu_features__ as f; "
             "print(i.cpuid_masked(), f['AVX512F'], f['AVX2'], f['FMA3'])")  # fmt: skip
@@ -106,6 +110,7 @@ def test_natively_nothing_is_preloaded() -> None:
     assert isa.cpuid_mask_environ({**env, isa.ENV: "native"}) == {**env, isa.ENV: "native"}
 
 
+@needs_faulting
 def test_a_script_starts_again_masked_with_its_arguments(tmp_path) -> None:
     script = tmp_path / "script.py"
     script.write_text("import sys\nfrom runtime import isa\n"
@@ -115,3 +120,41 @@ def test_a_script_starts_again_masked_with_its_arguments(tmp_path) -> None:
         out = subprocess.run([sys.executable, str(script), "a b", "--c"], capture_output=True, text=True,
                              env={**env, isa.ENV: level}, check=True)  # fmt: skip
         assert out.stdout.strip() == f"{masked} ['a b', '--c']", out.stderr
+
+
+def test_a_sandbox_worker_compiles_and_runs_at_the_masked_level(tmp_path, monkeypatch) -> None:
+    """Workers start with a scrubbed environment: the level must reach them, or their candidates compile with
+    ``-march=native`` and their numpy runs AVX-512 whatever the mask says."""
+    from runtime_helpers import MATMUL_COMPUTE, MATMUL_SIGNATURE, make_settings, request, run
+
+    from runtime.executors import LocalPool
+    from runtime.result import Status
+    from runtime.settings import TaskSpec
+
+    monkeypatch.setenv(isa.ENV, "avx2")
+    # wrong results wherever it was compiled for AVX-512, or its worker's numpy may use it
+    source = ("#include <stdlib.h>\n" + f"{MATMUL_SIGNATURE} {{\n{MATMUL_COMPUTE}"
+              "#ifdef __AVX512F__\n    C[0] += 1.0f;\n#endif\n"
+              '    const char *isa = getenv("EVOFORGE_CPU_ISA");\n    if (!isa || isa[0] != \'a\') C[0] += 1.0f;\n}\n')
+    work = str(tmp_path)
+    with LocalPool(workers=1, log_dir=f"{work}/logs") as pool:
+        task = TaskSpec(name="matmul", args={"m": 64, "n": 64, "k": 64})
+        r = run(pool, request(work, source, settings=make_settings(work), task=task), timeout=120)
+    assert r.status is Status.OK, r.error
+
+
+def test_an_engine_host_started_afresh_runs_at_the_level(monkeypatch) -> None:
+    """A server's engine host starts from a fresh interpreter with a few variables: the level is one of them."""
+    from runtime.engine import EngineConfig, load_model
+    from runtime.sandbox.hosted_engine import spawn_host
+
+    monkeypatch.setenv(isa.ENV, "avx2")
+    monkeypatch.setenv("EVOFORGE_TEST_SECRET", "not for the host")
+    model = load_model()
+    engine = spawn_host(model, EngineConfig(), {"model_dir": str(model.path)})
+    try:
+        with open(f"/proc/{engine.process.pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+    finally:
+        engine.close()
+    assert b"EVOFORGE_CPU_ISA=avx2" in environ and not any(b"EVOFORGE_TEST_SECRET" in v for v in environ)
