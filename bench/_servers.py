@@ -156,10 +156,10 @@ def _env(threads: int, **extra: str) -> dict[str, str]:
             "TRANSFORMERS_OFFLINE": "1", **extra}  # fmt: skip
 
 
-def evo_serve(run_dir: Path, elite: str, *, threads: int, log_dir: Path) -> HttpServer:
-    """``evo serve`` on the run's ``elite``."""
+def evo_serve(run_dir: Path, elite: str, *, threads: int, log_dir: Path, python: str | None = None) -> HttpServer:
+    """``evo serve`` on the run's ``elite``, on the interpreter ``python`` (default: this one)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "evo", "serve", str(run_dir), "--elite", elite, "--host", "127.0.0.1",
+    cmd = [python or sys.executable, "-m", "evo", "serve", str(run_dir), "--elite", elite, "--host", "127.0.0.1",
            "--port", str(port), "--max-in-flight", "1024"]  # fmt: skip
     return HttpServer(EVO_SERVE, "evoforge", cmd, port=port, ready_path="/ready", embed_path="/v1/embeddings",
                       model=None, env=_env(threads), log=log_dir / "evo-serve.log")

@@ -4,6 +4,10 @@ host processes of their own (the sandbox user, the system-call filter), and behi
 
     python bench/engine_vs_peers.py --run-dir runs/engine_minilm
     python bench/engine_vs_peers.py --config configs/engine_minilm.yaml   # runs the search first
+    peers-venv/bin/python bench/engine_vs_peers.py --run-dir runs/engine_minilm --engine-python .venv/bin/python
+
+The peers' venv holds numpy at 1.x (Infinity needs it); ``--engine-python`` runs our engine hosts and ``evo serve``
+on evoforge's own venv instead, as a user deploys it (each side on its own best environment).
 
 Peers (``pip install -c constraints.txt -e '.[peers]'``; one that cannot run is listed with the reason):
 sentence-transformers on torch, and on OpenVINO (fp32, and int8 weights where its compression runs offline);
@@ -93,6 +97,13 @@ def median_figures(runs: Sequence[LoadResult]) -> dict[str, Any]:
             "rounds": [round(r.throughput, 1) for r in runs]}
 
 
+def numpy_of(python: str) -> str:
+    """The numpy version of interpreter ``python`` (what our engines' attention and numpy slots run on)."""
+    done = subprocess.run([python, "-c", "import numpy; print(numpy.__version__)"], capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    return done.stdout.strip() or f"unknown ({python})"
+
+
 def timed(bulk: Callable[[list[str]], Any], texts: list[str]) -> float:
     """Sentences/s of one call embedding all of ``texts``."""
     t0 = time.perf_counter()
@@ -123,11 +134,11 @@ def paused(servers: Iterable[HttpServer]) -> Iterator[None]:
 
 
 def start_servers(run_dir: Path, cid: str, model_dir: Path, threads: int, batch: int, log_dir: Path,
-                  skipped: dict[str, str]) -> list[HttpServer]:  # fmt: skip
+                  skipped: dict[str, str], python: str | None = None) -> list[HttpServer]:  # fmt: skip
     """``evo serve`` and Infinity (on torch, and on ONNX Runtime where its optimum engine is installed), started
     one after the other, each paused while the next starts; one that cannot start goes into ``skipped``."""
     starts: dict[str, Callable[[], HttpServer]] = {
-        EVO_SERVE: lambda: evo_serve(run_dir, cid, threads=threads, log_dir=log_dir),
+        EVO_SERVE: lambda: evo_serve(run_dir, cid, threads=threads, log_dir=log_dir, python=python),
         **{name: (lambda e=engine: infinity(model_dir, e, threads=threads, batch=batch, log_dir=log_dir))
            for engine, name in INFINITY.items()},
     }  # fmt: skip
@@ -173,6 +184,8 @@ def main() -> None:
     ap.add_argument("--bulk-tokens", type=int, help="every bulk text about this many tokens [default: the load's mix]")
     ap.add_argument("--bulk-only", action="store_true", help="skip the serving rounds")
     ap.add_argument("--no-http", action="store_true", help="skip the HTTP servers (evo serve, Infinity)")
+    ap.add_argument("--engine-python", help="the interpreter our engines and evo serve run on [default: this one]: "
+                    "evoforge's own venv, whose numpy the peers' venv holds back for Infinity")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.json:  # stdout carries the JSON alone: what the libraries print (NNCF's tables) goes to stderr
@@ -215,17 +228,20 @@ def main() -> None:
         kind = task.engine_config(cand.genome).worker_kind
         other = "process" if kind == "thread" else "thread"
         # ours in hosts of their own (filtered, the sandbox user), as served: the clock stays in this process
-        engines = {f"evoforge engine (evolved: {kind} workers)": spawn_elite(run, cand.id, model, runs=Run.open),
+        py = args.engine_python
+        engines = {f"evoforge engine (evolved: {kind} workers)": spawn_elite(run, cand.id, model, runs=Run.open,
+                                                                             python=py),
                    f"evoforge engine ({other} workers)": spawn_elite(run, cand.id, model, runs=Run.open,
-                                                                     overrides={"worker_kind": other})}
+                                                                     overrides={"worker_kind": other}, python=py)}
         for extra in args.also:
-            engines[f"evoforge engine {run.stored(extra).id[:12]}"] = spawn_elite(run, extra, model, runs=Run.open)
+            engines[f"evoforge engine {run.stored(extra).id[:12]}"] = spawn_elite(run, extra, model, runs=Run.open,
+                                                                                  python=py)
         for engine in engines.values():
             pin(engine.process.tree(), cores)  # the peers' cores (a process worker forked later inherits them)
         servers: list[HttpServer] = []
         try:
             if not (args.no_http or args.bulk_only):  # started here: they inherit the cores
-                servers = start_servers(run_dir, cand.id, model.path, threads, args.batch, Path(tmp), skipped)
+                servers = start_servers(run_dir, cand.id, model.path, threads, args.batch, Path(tmp), skipped, py)
             with paused(servers):
                 similarity = {name: min_cosine(e.embed(texts), reference) for name, e in engines.items()}
                 similarity.update({p.name: min_cosine(p.bulk(texts), reference) for p in peers})
@@ -265,7 +281,8 @@ def main() -> None:
            "cores": sorted(cores), "concurrency": a.concurrency, "lengths": a.lengths, "texts": len(texts),
            "duration_s": duration, "rounds": args.rounds, "peer_batch": args.batch, "search_s": seconds, "rows": rows,
            "bulk_texts": len(bulk_texts), "versus_strongest_peer": versus_peer, "skipped": skipped,
-           "cpu_caps": CAPS, "not_capped": uncapped, "versions": versions()}  # fmt: skip
+           "cpu_caps": CAPS, "not_capped": uncapped, "versions": versions(),
+           "engine_numpy": numpy_of(args.engine_python or sys.executable)}  # fmt: skip
     if args.json:
         print(json.dumps(out, indent=2), file=json_out, flush=True)
         return
@@ -322,7 +339,8 @@ def report(out: dict[str, Any], model_name: str, cand: Any, measures: dict[str, 
           f"{dict(out['lengths'])}, {out['duration_s']:g} s each, median throughput of {out['rounds']} rounds, "
           "latency percentiles over their requests pooled")
     print(f"engine {cand.id[:12]}: {' '.join(f'{k}={v}' for k, v in cand.genome.params.items())}")
-    print("versions: " + ", ".join(f"{k} {v}" for k, v in out["versions"].items()))
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in out["versions"].items())
+          + f"; our engines and evo serve on numpy {out['engine_numpy']}")
     print(f"| contestant | mode | sentences/s | vs sentence-transformers | p50 ms | p99 ms | bulk sentences/s "
           f"({out['bulk_texts']} texts) | min cosine to fp32 |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

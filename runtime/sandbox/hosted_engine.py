@@ -455,11 +455,12 @@ _OUT_DIR: str | None = None  # where this process's hosts print (swept once this
 
 
 def spawn_host(model: Model, config: EngineConfig, spec: Mapping[str, Any],
-               env: Mapping[str, str] | None = None) -> HostedEngine:  # fmt: skip
+               env: Mapping[str, str] | None = None, python: str | None = None) -> HostedEngine:  # fmt: skip
     """A host started from a fresh interpreter building ``spec`` (:func:`runtime.sandbox.engine_host.main`; its
     ``config`` is set from ``config``). Its environment is ``env`` (default: this process's ``PATH``, ``HOME``,
     locale, ``PYTHONPATH``, offline and thread settings, and its instruction-set level (:func:`runtime.isa.carried`),
-    nothing else: no key). It inherits no descriptor but
+    nothing else: no key), and its interpreter ``python`` (default: this one's; another venv's with evoforge
+    installed, say). It inherits no descriptor but
     its socket and the spec's pipe, drops to the sandbox user, and prints to a file of its own, forwarded to
     this process's stderr when it ends."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -475,7 +476,7 @@ def spawn_host(model: Model, config: EngineConfig, spec: Mapping[str, Any],
     fd, output = tempfile.mkstemp(prefix="engine-host-", suffix=".out", dir=_OUT_DIR)
     try:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "runtime.sandbox.engine_host", str(theirs.fileno())],
+            [python or sys.executable, "-m", "runtime.sandbox.engine_host", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), stdin=subprocess.PIPE, stdout=fd, stderr=subprocess.STDOUT, env=dict(env),
         )  # fmt: skip
     finally:
@@ -497,7 +498,7 @@ def spawn_host(model: Model, config: EngineConfig, spec: Mapping[str, Any],
 
 
 def spawn_elite(run: RunReader, candidate_id: str | None, model: Model, *, runs: OpenRun | None = None,
-                overrides: Mapping[str, Any] | None = None) -> HostedEngine:  # fmt: skip
+                overrides: Mapping[str, Any] | None = None, python: str | None = None) -> HostedEngine:  # fmt: skip
     """The engine of candidate ``candidate_id`` of the engine run ``run`` (``None``: the default configuration), in
     a host started by :func:`spawn_host`: its kernels compiled there (as the sandbox user) and each loaded only as
     the library the candidate was measured with. Raises as :func:`runtime.engine.elite_task` does, and
@@ -506,10 +507,10 @@ def spawn_elite(run: RunReader, candidate_id: str | None, model: Model, *, runs:
 
     if candidate_id is None:
         config = EngineConfig.model_validate(dict(overrides or {}))
-        return spawn_host(model, config, {"model_dir": str(model.path)})
+        return spawn_host(model, config, {"model_dir": str(model.path)}, python=python)
     task, config, compiler, cache_dir = elite_task(run, candidate_id, runs=runs, model=model, overrides=overrides)
     measured = run.stored(candidate_id).metrics.get("kernel_sha256")  # the libraries it was measured with
     spec = {"task": {"name": task.name, "args": task.args.model_dump(mode="json")}, "model_dir": str(model.path),
             "compiler": compiler.model_dump(mode="json"), "cache_dir": cache_dir,
             "kernel_sha256": measured if isinstance(measured, dict) else None}  # fmt: skip
-    return spawn_host(model, config, spec)
+    return spawn_host(model, config, spec, python=python)
