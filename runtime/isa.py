@@ -90,6 +90,7 @@ def _numpy_major() -> int:
         return 0
 
 
+_MASK_TRIED = "EVOFORGE_CPUID_MASK_TRIED"  # set in the process exec_masked starts again
 _MASK_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpuid_mask.c")
 # glibc picks its string functions from CPUID before any preloaded library runs: its own tunables cap it.
 _GLIBC_HWCAPS = "glibc.cpu.hwcaps=-AVX512F,-AVX512DQ,-AVX512CD,-AVX512BW,-AVX512VL,-AVX512ER,-AVX512PF"
@@ -156,12 +157,17 @@ def exec_masked() -> None:
     """Under the AVX2 level, on a CPU with CPUID faulting, starts this program again in place (``os.execve``,
     same arguments) with its CPUID masked, unless it already is; otherwise returns. A script calls it first, before
     the libraries it caps load."""
+    import sys
+
     if level() == "native" or cpuid_masked():
+        return
+    if os.environ.get(_MASK_TRIED):  # started again already, and the mask did not take: never loop
+        print("evoforge: the CPUID mask did not take in this process (see above): libraries without a cap of "
+              "their own run unmasked", file=sys.stderr, flush=True)
         return
     env = cpuid_mask_environ()
     if "LD_PRELOAD" in env and env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
-        import sys
-
+        env[_MASK_TRIED] = "1"
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -122,6 +122,19 @@ def test_a_script_starts_again_masked_with_its_arguments(tmp_path) -> None:
         assert out.stdout.strip() == f"{masked} ['a b', '--c']", out.stderr
 
 
+@needs_faulting
+def test_a_script_whose_mask_does_not_take_runs_unmasked_once_and_says_so(tmp_path) -> None:
+    script = tmp_path / "script.py"  # its preload cannot load: ld.so ignores it, and the script starts again once
+    script.write_text("from runtime import isa\n"
+                      "isa.cpuid_mask_library = lambda *a, **k: '/nonexistent/cpuid-mask-x.so'\n"
+                      "isa.exec_masked()\nprint(isa.cpuid_masked())\n")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                         env={**env, isa.ENV: "avx2"})  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+    assert "did not take" in out.stderr
+
+
 def test_a_sandbox_worker_compiles_and_runs_at_the_masked_level(tmp_path, monkeypatch) -> None:
     """Workers start with a scrubbed environment: the level must reach them, or their candidates compile with
     ``-march=native`` and their numpy runs AVX-512 whatever the mask says."""
