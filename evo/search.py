@@ -120,7 +120,9 @@ class Search:
         queue = self._requeue_pending()
         resumed = len(queue)
         queue += self._initial_population()
-        self._unmeasured_seeds = {c.id for c in queue if c.operator == "seed"}
+        # a fresh run's offers wait for its seeds; a resumed one has measured its best already, and a grown task's
+        # new seeds must not hold back the offers of a session whose budget they could fill
+        self._unmeasured_seeds = {c.id for c in queue if c.operator == "seed"} if not self._evaluated else set()
         executor = self._executor or make_pool(self.stored_run, self.workers, self.config.execution,
                                                self.config.evaluation.compiler.cc, backend_for(self.task))
         self.workers = executor.slots  # a cluster's slots are its nodes'
