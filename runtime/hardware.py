@@ -17,7 +17,7 @@ import numpy as np
 
 from runtime import isa
 
-__all__ = ["RELEVANT_CPU_FLAGS", "cpu_flags", "fingerprint"]
+__all__ = ["RELEVANT_CPU_FLAGS", "cpu_flags", "fingerprint", "l2_cache_bytes"]
 
 RELEVANT_CPU_FLAGS = (
     "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -46,6 +46,28 @@ def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags (``/proc/cpuinfo``), e.g. ``avx512_bf16``, less those ``EVOFORGE_CPU_ISA`` masks
     (:mod:`runtime.isa`); empty where they cannot be read."""
     return isa.masked(_cpuinfo()[1])
+
+
+@functools.cache
+def l2_cache_bytes(default: int = 1 << 20) -> int:
+    """The size of one core's L2 cache (Linux's ``/sys/devices/system/cpu/cpu0/cache``); ``default`` where it
+    cannot be read (another OS, a confined process)."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in sorted(os.listdir(root)):
+            d = os.path.join(root, index)
+            with open(os.path.join(d, "level")) as f:
+                level = f.read().strip()
+            with open(os.path.join(d, "type")) as f:
+                kind = f.read().strip()
+            if level == "2" and kind in ("Unified", "Data"):
+                with open(os.path.join(d, "size")) as f:
+                    size = f.read().strip().upper()
+                scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+                return int(size.rstrip("KM")) * scale
+    except (OSError, ValueError):
+        pass
+    return default
 
 
 def _blas() -> dict[str, Any]:

@@ -24,9 +24,10 @@ import numpy as np
 
 from runtime.activations import gelu_tanh
 from runtime.engine.ops import Ops
+from runtime.hardware import l2_cache_bytes
 
-__all__ = ["Layer", "Model", "ModelConfig", "ModelLoadError", "Precision", "Tokenizer", "default_model_dir",
-           "load_model"]
+__all__ = ["AttentionBlock", "Layer", "Model", "ModelConfig", "ModelLoadError", "Precision", "Tokenizer",
+           "attention_blocks", "default_model_dir", "load_model"]
 
 Precision = Literal["fp32", "bf16", "int8"]
 Activation = Literal["gelu", "gelu_tanh", "relu"]
@@ -166,7 +167,7 @@ class Model:
         """Sentence embeddings ``[len(seqs), hidden]`` of token id arrays (unit-norm where the model normalises).
 
         ``pack``: the token-wise operators (GEMMs, layer norms, GELU) run on the real tokens only
-        (``[tokens, hidden]``); attention alone is padded to the batch's longest sequence. Without it,
+        (``[tokens, hidden]``); attention alone is padded, to the longest sequence of its block. Without it,
         every operator runs on the padded ``[batch * longest, hidden]``.
         """
         cfg = self.config
@@ -176,20 +177,19 @@ class Model:
         ids = np.zeros((n, longest), np.int64)
         ids[valid] = np.concatenate(seqs)
         if pack:
-            flat = np.flatnonzero(valid.ravel())  # real tokens' positions in the padded [n * L] layout
-            tok_ids, positions = ids.ravel()[flat], np.nonzero(valid)[1]
+            tok_ids, positions = ids[valid], np.nonzero(valid)[1]
         else:
-            flat, tok_ids, positions = None, ids.ravel(), np.tile(np.arange(longest), n)
+            tok_ids, positions = ids.ravel(), np.tile(np.arange(longest), n)
         x = self.word[tok_ids] + self.position[positions] + self.token_type[0]
         x = ops.layernorm(x, self.ln_g, self.ln_b, cfg.eps)
-        bias = np.where(valid, np.float32(0), _MASKED).astype(np.float32)[:, None, None, :]  # [n, 1, 1, L]
+        blocks = attention_blocks(lengths, cfg.heads, pack=pack)
         for layer in self.layers:
-            x = self._layer(x, layer, ops, n, longest, flat, bias)
+            x = self._layer(x, layer, ops, blocks)
         starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))  # each sequence's first token, packed
         if cfg.pooling == "cls":
-            pooled = x[starts] if flat is not None else x.reshape(n, longest, cfg.hidden)[:, 0]
+            pooled = x[starts] if pack else x.reshape(n, longest, cfg.hidden)[:, 0]
         else:
-            if flat is not None:
+            if pack:
                 sums = np.add.reduceat(x, starts, axis=0)
             else:
                 sums = (x.reshape(n, longest, cfg.hidden) * valid[:, :, None]).sum(axis=1)
@@ -198,27 +198,15 @@ class Model:
             pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
         return np.ascontiguousarray(pooled, dtype=np.float32)
 
-    def _layer(
-        self, x: np.ndarray, w: Layer, ops: Ops, n: int, longest: int, flat: np.ndarray | None, bias: np.ndarray
-    ) -> np.ndarray:
+    def _layer(self, x: np.ndarray, w: Layer, ops: Ops, blocks: Sequence[AttentionBlock]) -> np.ndarray:
         cfg = self.config
-        h, nh, d = cfg.hidden, cfg.heads, cfg.head_dim
         qkv = ops.linear(x, w.w_qkv, w.b_qkv)  # [T, 3H]
-        if flat is not None:  # scatter the real tokens into the padded layout attention needs
-            padded = np.zeros((n * longest, 3 * h), np.float32)
-            padded[flat] = qkv
-            qkv = padded
-        # contiguous per-head operands: numpy's batched matmul calls BLAS only on contiguous matrices
-        qkv = qkv.reshape(n, longest, 3, nh, d)
-        q = np.ascontiguousarray(qkv[:, :, 0].transpose(0, 2, 1, 3))  # [n, nh, L, d]; pre-scaled
-        k_t = np.ascontiguousarray(qkv[:, :, 1].transpose(0, 2, 3, 1))  # [n, nh, d, L]
-        v = np.ascontiguousarray(qkv[:, :, 2].transpose(0, 2, 1, 3))  # [n, nh, L, d]
-        scores = ops.attention(q, k_t)  # [n, nh, L, L]
-        scores += bias
-        probs = ops.softmax(scores.reshape(-1, longest)).reshape(scores.shape)
-        ctx = ops.attention(probs, v).transpose(0, 2, 1, 3).reshape(n * longest, h)  # [n * L, H]
-        if flat is not None:
-            ctx = ctx[flat]
+        if len(blocks) == 1:
+            ctx = self._attention(qkv, blocks[0], ops)
+        else:
+            ctx = np.empty((qkv.shape[0], cfg.hidden), np.float32)
+            for block in blocks:
+                ctx[block.rows] = self._attention(qkv[block.rows], block, ops)
         attn = ops.linear(ctx, w.w_out, w.b_out)
         attn += x
         x = ops.layernorm(attn, w.ln1_g, w.ln1_b, cfg.eps)
@@ -229,6 +217,74 @@ class Model:
         down = ops.linear(up, w.w_down, w.b_down)
         down += x
         return ops.layernorm(down, w.ln2_g, w.ln2_b, cfg.eps)
+
+    def _attention(self, qkv: np.ndarray, block: AttentionBlock, ops: Ops) -> np.ndarray:
+        """Self-attention of one block's sequences: ``qkv`` is their rows (``[tokens, 3H]``), and so is the
+        context returned (a padding row's context, where the block has them, is 0)."""
+        cfg = self.config
+        h, nh, d = cfg.hidden, cfg.heads, cfg.head_dim
+        nb, width = block.sequences, block.width
+        if block.real is not None:  # scatter the real tokens into the padded layout attention needs
+            padded = np.zeros((nb * width, 3 * h), np.float32)
+            padded[block.real] = qkv
+            qkv = padded
+        # contiguous per-head operands: numpy's batched matmul calls BLAS only on contiguous matrices
+        qkv = qkv.reshape(nb, -1, 3, nh, d)[:, :width]
+        q = np.ascontiguousarray(qkv[:, :, 0].transpose(0, 2, 1, 3))  # [nb, nh, W, d]; pre-scaled
+        k_t = np.ascontiguousarray(qkv[:, :, 1].transpose(0, 2, 3, 1))  # [nb, nh, d, W]
+        v = np.ascontiguousarray(qkv[:, :, 2].transpose(0, 2, 1, 3))  # [nb, nh, W, d]
+        scores = ops.attention(q, k_t)  # [nb, nh, W, W]
+        scores += block.bias
+        probs = ops.softmax(scores.reshape(-1, width)).reshape(scores.shape)
+        ctx = ops.attention(probs, v).transpose(0, 2, 1, 3).reshape(nb * width, h)  # [nb * W, H]
+        if block.real is not None:
+            return ctx[block.real]
+        if block.stride == width:
+            return ctx
+        out = np.zeros((nb, block.stride, h), np.float32)  # the unpacked layout's rows past the block's longest
+        out[:, :width] = ctx.reshape(nb, width, h)
+        return out.reshape(-1, h)
+
+
+@dataclass(frozen=True)
+class AttentionBlock:
+    """Consecutive sequences whose attention runs together: their rows of the layer's activations (``rows``),
+    how many (``sequences``), the longest of them (``width``: each one's scores are ``width`` square), the
+    row stride of their layout (``stride``: ``width`` packed, the batch's longest unpacked), where their real
+    tokens sit in the ``[sequences * width]`` padded layout (``real``; None unpacked, where the rows are that
+    layout already) and the scores' bias that masks the padding keys (``[sequences, 1, 1, width]``)."""
+
+    rows: slice
+    sequences: int
+    width: int
+    stride: int
+    real: np.ndarray | None
+    bias: np.ndarray
+
+
+def attention_blocks(lengths: np.ndarray, heads: int, *, pack: bool,
+                     budget: int | None = None) -> list[AttentionBlock]:  # fmt: skip
+    """``lengths``' sequences in order, grouped so that each group's attention scores (``heads`` matrices of its
+    longest sequence squared per sequence, fp32) fit ``budget`` bytes (default: half this CPU's L2 cache),
+    a sequence alone where even it does not. Scores, softmax and context then stay in cache: a batch's scores
+    all at once (``[batch, heads, L, L]``) outgrow it by far, and each pass over them goes to memory."""
+    budget = budget if budget is not None else l2_cache_bytes() // 2
+    n, longest = len(lengths), int(lengths.max())
+    blocks, start, row = [], 0, 0
+    while start < n:
+        stop, width = start + 1, int(lengths[start])
+        while stop < n and (stop + 1 - start) * heads * max(width, int(lengths[stop])) ** 2 * 4 <= budget:
+            width = max(width, int(lengths[stop]))
+            stop += 1
+        group = lengths[start:stop]
+        stride = width if pack else longest
+        valid = np.arange(width)[None, :] < group[:, None]  # [nb, W]
+        real = np.flatnonzero(valid.ravel()) if pack else None
+        rows = int(group.sum()) if pack else len(group) * longest
+        bias = np.where(valid, np.float32(0), _MASKED).astype(np.float32)[:, None, None, :]
+        blocks.append(AttentionBlock(slice(row, row + rows), stop - start, width, stride, real, bias))
+        start, row = stop, row + rows
+    return blocks
 
 
 def _relu(h: np.ndarray) -> np.ndarray:

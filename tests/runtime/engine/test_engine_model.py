@@ -69,3 +69,44 @@ def test_the_serving_path_never_imports_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_attention_blocks_cover_the_batch_in_order_within_the_budget():
+    from runtime.engine.model import attention_blocks
+
+    lengths = np.array([128, 16, 16, 48, 48, 48, 16, 130, 8])
+    for pack in (True, False):
+        blocks = attention_blocks(lengths, 12, pack=pack, budget=12 * 48 * 48 * 4 * 2)
+        assert sum(b.sequences for b in blocks) == len(lengths)
+        assert [b.sequences for b in blocks] == [1, 2, 2, 2, 1, 1]  # a 128 alone; (48, 16) is over the budget
+        row, seq = 0, 0
+        for b in blocks:
+            group = lengths[seq : seq + b.sequences]
+            assert b.width == group.max() and b.bias.shape == (b.sequences, 1, 1, b.width)
+            assert b.rows.start == row and b.stride == (b.width if pack else lengths.max())
+            assert (b.bias[:, 0, 0] == 0).sum() == group.sum()  # exactly the real keys are unmasked
+            if b.sequences > 1:
+                assert b.sequences * 12 * b.width**2 * 4 <= 12 * 48 * 48 * 4 * 2
+            row, seq = b.rows.stop, seq + b.sequences
+        assert row == (lengths.sum() if pack else len(lengths) * lengths.max())
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_attention_in_blocks_gives_the_whole_batchs_embeddings(model, sentences, reference_embeddings, pack,
+                                                               monkeypatch):  # fmt: skip
+    """An unsorted batch of mixed lengths, its attention run a sequence at a time, a few at a time, and all at
+    once: the same embeddings, and sentence-transformers'."""
+    from runtime.engine import model as model_module
+
+    seqs = model.tokenizer.encode_batch(sentences[:12])
+    lengths = np.array([len(s) for s in seqs])
+    assert len(set(lengths)) > 4
+    blocks, got = [], []
+    for budget in (1, 1 << 18, 1 << 40):  # the default budget is half the L2 cache's size
+        monkeypatch.setattr(model_module, "l2_cache_bytes", lambda b=budget: 2 * b)
+        blocks.append(len(model_module.attention_blocks(lengths, 12, pack=pack)))
+        got.append(model.forward(seqs, numpy_ops(), pack=pack))
+    assert blocks[0] == 12 and 1 < blocks[1] < 12 and blocks[2] == 1
+    for emb in got:
+        assert np.abs(emb - got[-1]).max() < 1e-5
+        assert cosines(emb, reference_embeddings[:12]).min() >= FP32_FLOOR
