@@ -68,6 +68,7 @@ from runtime.timing import pinned  # noqa: E402
 
 GOAL = 1.5  # ours over the strongest peer
 FLOOR = 0.99  # min cosine a peer needs to count as the strongest
+RESAMPLES = 2000  # bootstrap resamples behind each p99's interval
 
 
 def run_search(config: Path, run_dir: Path, max_evals: int | None) -> float:
@@ -84,17 +85,40 @@ def min_cosine(got: Any, reference: np.ndarray) -> float:
     return float(np.min(np.sum(got * reference, axis=1) / norms))
 
 
-def median_figures(runs: Sequence[LoadResult]) -> dict[str, Any]:
+def median_figures(runs: Sequence[LoadResult], rng: np.random.Generator | None = None) -> dict[str, Any]:
     """The median throughput over the rounds, each round's, and the latency percentiles over every round's
-    requests pooled (a p99 over one 3 s round rests on its three or four slowest requests) (``None``s: no round)."""
+    requests pooled (a p99 over one 3 s round rests on its three or four slowest requests) (``None``s: no round).
+    ``p99_resampled``: the pooled p99 of each of :data:`RESAMPLES` bootstrap resamples of the requests, which
+    :func:`p99_interval` and :func:`p99_verdict` read (not printed, not in the JSON)."""
     if not runs:
         return {"throughput": None, "p50_ms": None, "p99_ms": None, "completed": 0, "rounds": []}
-    pooled = [x for r in runs for x in r.latencies_ms]
+    pooled = np.asarray([x for r in runs for x in r.latencies_ms])
+    resampled = None
+    if len(pooled):
+        rng = rng or np.random.default_rng(0)
+        resampled = np.percentile(rng.choice(pooled, size=(RESAMPLES, len(pooled))), 99, axis=1)
     return {"throughput": float(np.median([r.throughput for r in runs])),
-            "p50_ms": float(np.percentile(pooled, 50)) if pooled else float(np.median([r.p50_ms for r in runs])),
-            "p99_ms": float(np.percentile(pooled, 99)) if pooled else float(np.median([r.p99_ms for r in runs])),
-            "completed": int(sum(r.completed for r in runs)),
+            "p50_ms": float(np.percentile(pooled, 50)) if len(pooled) else float(np.median([r.p50_ms for r in runs])),
+            "p99_ms": float(np.percentile(pooled, 99)) if len(pooled) else float(np.median([r.p99_ms for r in runs])),
+            "p99_resampled": resampled, "completed": int(sum(r.completed for r in runs)),
             "rounds": [round(r.throughput, 1) for r in runs]}
+
+
+def p99_interval(row: dict[str, Any]) -> tuple[float, float] | None:
+    """The 95% bootstrap interval of a row's pooled p99 (None: no requests pooled)."""
+    boot = row.get("p99_resampled")
+    return None if boot is None else (float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5)))
+
+
+def p99_verdict(ours: dict[str, Any], peer: dict[str, Any]) -> tuple[str, tuple[float, float] | None]:
+    """Our p99 against the peer's: ``better`` or ``worse`` where the 95% bootstrap interval of the difference
+    (ours - theirs, both pools resampled on their own) excludes 0, else ``equal within noise``; with that
+    interval (None where a side pooled no requests: then the point figures alone decide)."""
+    a, b = ours.get("p99_resampled"), peer.get("p99_resampled")
+    if a is None or b is None:
+        return ("equal or better" if ours["p99_ms"] <= peer["p99_ms"] else "worse"), None
+    lo, hi = (float(np.percentile(a - b, q)) for q in (2.5, 97.5))
+    return ("better" if hi < 0 else "worse" if lo > 0 else "equal within noise"), (lo, hi)
 
 
 def numpy_of(python: str) -> str:
@@ -164,7 +188,9 @@ def versus(rows: list[dict[str, Any]], measure: str, mode: str | None = None) ->
     ratio = best[measure] / peer[measure]
     out = {"ours": best["name"], "peer": peer["name"], "ratio": ratio, "goal": GOAL, "to_goal": GOAL / ratio}
     if measure == "throughput":
-        out.update(ours_p99_ms=best["p99_ms"], peer_p99_ms=peer["p99_ms"], p99_ok=best["p99_ms"] <= peer["p99_ms"])
+        verdict, difference = p99_verdict(best, peer)
+        out.update(ours_p99_ms=best["p99_ms"], peer_p99_ms=peer["p99_ms"], p99=verdict,
+                   p99_difference_ms=difference, p99_ok=verdict != "worse")  # fmt: skip
     return out
 
 
@@ -257,7 +283,7 @@ def main() -> None:
                 e.close()
             for s in servers:
                 s.close()
-    rows = []
+    rows, rng = [], np.random.default_rng(0)
     for name in similarity:
         if name in skipped:  # a server that failed after it started
             continue
@@ -267,7 +293,7 @@ def main() -> None:
         bulk_path = (peer.bulk_path if peer else None if server
                      else "submit_all: longest first to its own queue and workers")  # fmt: skip
         rows.append({"name": name, "ours": library == "evoforge", "mode": "HTTP" if server else "in process",
-                     "min_cosine": similarity[name], **median_figures(runs.get(name, [])),
+                     "min_cosine": similarity[name], **median_figures(runs.get(name, []), rng),
                      "bulk": float(np.median(bulk_runs[name])) if bulk_runs.get(name) else None,
                      "bulk_path": bulk_path, "not_capped": uncapped.get(library)})  # fmt: skip
     base = next((r["throughput"] for r in rows if r["name"] == "sentence-transformers"), None)
@@ -277,6 +303,9 @@ def main() -> None:
                 "bulk": ("bulk", None)}  # fmt: skip
     versus_peer = {k: v for k, (_, mode) in measures.items()
                    if (v := versus(rows, "bulk" if k == "bulk" else "throughput", mode))}  # fmt: skip
+    for r in rows:
+        r["p99_interval"] = p99_interval(r)
+        r.pop("p99_resampled", None)
     out = {"run_dir": str(run_dir), "engine": cand.id, "params": cand.genome.params, "threads": threads,
            "cores": sorted(cores), "concurrency": a.concurrency, "lengths": a.lengths, "texts": len(texts),
            "duration_s": duration, "rounds": args.rounds, "peer_batch": args.batch, "search_s": seconds, "rows": rows,
@@ -341,13 +370,15 @@ def report(out: dict[str, Any], model_name: str, cand: Any, measures: dict[str, 
     print(f"engine {cand.id[:12]}: {' '.join(f'{k}={v}' for k, v in cand.genome.params.items())}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in out["versions"].items())
           + f"; our engines and evo serve on numpy {out['engine_numpy']}")
-    print(f"| contestant | mode | sentences/s | vs sentence-transformers | p50 ms | p99 ms | bulk sentences/s "
-          f"({out['bulk_texts']} texts) | min cosine to fp32 |")
+    print(f"| contestant | mode | sentences/s | vs sentence-transformers | p50 ms | p99 ms (95% interval) | bulk "
+          f"sentences/s ({out['bulk_texts']} texts) | min cosine to fp32 |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in out["rows"]:
         vs = num(r["vs_sentence_transformers"], ".2f", "x")
+        ci = r.get("p99_interval")
+        p99 = num(r["p99_ms"]) + (f" ({ci[0]:.1f}-{ci[1]:.1f})" if ci else "")
         print(f"| {r['name']} | {r['mode']} | {num(r['throughput'])} | {vs} | {num(r['p50_ms'])} | "
-              f"{num(r['p99_ms'])} | {num(r['bulk'])} | {r['min_cosine']:.5f} |")
+              f"{p99} | {num(r['bulk'])} | {r['min_cosine']:.5f} |")
     print(f"serving in process: the peers behind the bench's queue, grouped by length class as the engine's own queue "
           f"does, {out['peer_batch']} a batch at most; over HTTP: each server's own batching (Infinity: length-sorted, "
           f"{out['peer_batch']} at most)")
@@ -361,9 +392,12 @@ def report(out: dict[str, Any], model_name: str, cand: Any, measures: dict[str, 
             print(f"{label}: no comparison (no figure of ours, or no peer at min cosine >= {FLOOR})")
             continue
         line = f"{label}: {v['ours']} is {v['ratio']:.2f}x the strongest peer at min cosine >= {FLOOR} ({v['peer']})"
-        if "p99_ok" in v:
-            line += (f"; p99 {v['ours_p99_ms']:.1f} vs {v['peer_p99_ms']:.1f} ms: "
-                     f"{'equal or better' if v['p99_ok'] else 'worse'}")
+        if "p99" in v:
+            line += f"; p99 {v['ours_p99_ms']:.1f} vs {v['peer_p99_ms']:.1f} ms"
+            if v["p99_difference_ms"]:
+                lo, hi = v["p99_difference_ms"]
+                line += f" (the difference's 95% interval {lo:+.1f} to {hi:+.1f} ms)"
+            line += f": {v['p99']}"
         goal = "met" if v["to_goal"] <= 1 else f"{v['to_goal']:.2f}x further"
         print(f"{line}; the goal of {GOAL:g}x: {goal}")
     if out["cpu_caps"]:

@@ -60,6 +60,33 @@ def test_latency_percentiles_pool_every_rounds_requests() -> None:
     assert fig["p50_ms"] == 10.0 and fig["completed"] == 300
 
 
+def test_a_p99_is_worse_or_better_only_beyond_its_resampling_noise() -> None:
+    """Two pools of requests from one distribution read as equal within noise whichever p99 is the higher;
+    a pool whose slowest 2% are twice as slow reads as worse, and the other way round as better."""
+    from runtime.engine import LoadResult
+
+    def rounds(latencies: np.ndarray) -> list[LoadResult]:
+        return [LoadResult(len(c), 1.0, len(c), float(np.percentile(c, 50)), float(np.percentile(c, 99)),
+                           float(c.mean()), 0, tuple(c)) for c in np.array_split(latencies, 3)]  # fmt: skip
+
+    rng = np.random.default_rng(1)
+    same_a = bench.median_figures(rounds(rng.gamma(4.0, 10.0, 1500)), rng)
+    same_b = bench.median_figures(rounds(rng.gamma(4.0, 10.0, 1500)), rng)
+    slow = rng.gamma(4.0, 10.0, 1500)
+    slow[np.argsort(slow)[-30:]] *= 2
+    slower = bench.median_figures(rounds(slow), rng)
+    verdict, (lo, hi) = bench.p99_verdict(same_a, same_b)
+    assert verdict == "equal within noise" and lo < same_a["p99_ms"] - same_b["p99_ms"] < hi
+    assert bench.p99_verdict(same_b, same_a)[0] == "equal within noise"
+    assert bench.p99_verdict(slower, same_a)[0] == "worse" and bench.p99_verdict(same_a, slower)[0] == "better"
+    low, high = bench.p99_interval(same_a)
+    assert low < same_a["p99_ms"] < high
+    rows = [{**slower, **_row("ours", 200.0, ours=True, p99=slower["p99_ms"])},
+            {**same_a, **_row("peer", 100.0, p99=same_a["p99_ms"])}]  # fmt: skip
+    v = bench.versus(rows, "throughput")
+    assert v is not None and (v["ratio"], v["p99"], v["p99_ok"]) == (2.0, "worse", False)
+
+
 def test_versus_takes_the_strongest_peer_above_the_cosine_floor() -> None:
     rows = [_row("ours", 300.0, ours=True, p99=90.0, bulk=600.0), _row("ours, slower", 100.0, ours=True),
             _row("fast but wrong", 900.0, cosine=0.98, bulk=900.0), _row("peer", 150.0, p99=120.0, bulk=500.0),
