@@ -40,6 +40,10 @@ class ChatLoadConfig(_Model):
     max_tokens: int = Field(128, ge=1, description="tokens each answer runs to")
     itl_p99_budget_ms: float = Field(1000.0, gt=0, description="an engine over this p99 inter-token latency is never "
                                      "promoted")  # fmt: skip
+    itl_p99_factor: float | None = Field(None, gt=0, description="nor one over this multiple of the p99 inter-token "
+                                         "latency of the engine measured beside it: the default engine in the "
+                                         "engine search, the incumbent in a duel (a bound that carries across "
+                                         "CPUs)")  # fmt: skip
     ttft_p99_budget_ms: float = Field(60000.0, gt=0, description="nor one over this p99 time to first token")
     kv_cache_mb: float = Field(2048.0, gt=0, description="the KV cache budget of the running requests")
 

@@ -283,7 +283,7 @@ class ChatKind(ModelKind):
         m = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
         out = {"throughput": m.get("tokens_per_s"), "p99_ms": m.get("itl_p99_ms"), "ttft_p99_ms": m.get("ttft_p99_ms"),
                "top1": m.get("top1", m.get("check_top1")), "kl": m.get("mean_kl", m.get("check_kl")),
-               "rounds": m.get("rounds")}  # fmt: skip
+               "rounds": m.get("rounds"), "p99_limit_ms": m.get("itl_p99_limit_ms")}  # fmt: skip
         return {k: v for k, v in out.items() if v is not None}
 
     def round_throughputs(self, figures: Mapping[str, Any]) -> list[float]:

@@ -59,7 +59,7 @@ from runtime.backends.base import (
 )
 from runtime.decoder.chat_load import Answer, ChatLoad, LoadFailed, chat, run_load
 from runtime.decoder.engine import ChatEngine, EngineUnfit, build, compile_engine
-from runtime.decoder.engine_task import ChatEngineTask
+from runtime.decoder.engine_task import ChatEngineArgs, ChatEngineTask
 from runtime.decoder.fidelity import Fidelity, fidelity, forced_logits, served_divergence
 from runtime.decoder.kernels import q8_lm_head
 from runtime.decoder.models import ModelNotFound, model_file
@@ -160,6 +160,14 @@ def served_fidelity(task: ChatEngineTask, answers: list[Answer], name: str) -> d
     return metrics
 
 
+def itl_p99_limit_ms(args: ChatEngineArgs, beside_ms: float) -> float:
+    """The p99 inter-token latency over which an engine gets no fitness: the task's budget, or, with
+    ``itl_p99_factor``, that multiple of ``beside_ms`` (the engine measured beside it) where that is lower."""
+    if args.itl_p99_factor is None:
+        return args.itl_p99_budget_ms
+    return min(args.itl_p99_budget_ms, args.itl_p99_factor * beside_ms)
+
+
 def _duel_figures(rounds: list[Measured]) -> dict[str, Any]:
     """A duel's figures of one engine: the median of its rounds' tokens/s, p99 inter-token latency, p99 time to
     first token and memory, and each round's."""
@@ -244,15 +252,16 @@ class ChatEngineProgram(Program, Profiles, Duels):
         self.calls_s += spent
         base, r = ref.measured.load, run.load
         itl_ms, ttft_ms = r.itl_s[1] * 1000, r.ttft_s[1] * 1000
-        over = itl_ms > a.itl_p99_budget_ms or ttft_ms > a.ttft_p99_budget_ms
+        itl_limit = itl_p99_limit_ms(a, base.itl_s[1] * 1000)
+        over = itl_ms > itl_limit or ttft_ms > a.ttft_p99_budget_ms
         metrics = dict(
             tokens_per_s=r.tokens_per_s, ttft_p50_ms=r.ttft_s[0] * 1000, ttft_p99_ms=ttft_ms,
             itl_p50_ms=r.itl_s[0] * 1000, itl_p99_ms=itl_ms, requests=len(r.answers), tokens=r.tokens,
             prompt_tokens=r.prompt_tokens, memory_mb=run.memory_mb,
             vs_reference=r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None,
             ref_tokens_per_s=base.tokens_per_s, ref_itl_p99_ms=base.itl_s[1] * 1000, ref_age_s=age,
-            over_budget=over, itl_p99_budget_ms=a.itl_p99_budget_ms, ttft_p99_budget_ms=a.ttft_p99_budget_ms,
-            streams=a.streams, cores=sorted(cores), **verified,
+            over_budget=over, itl_p99_budget_ms=a.itl_p99_budget_ms, itl_p99_limit_ms=itl_limit,
+            ttft_p99_budget_ms=a.ttft_p99_budget_ms, streams=a.streams, cores=sorted(cores), **verified,
         )  # fmt: skip
         return Measurement(None if over else r.tokens_per_s, metrics,
                            {"lock_wait_s": waited, "time_s": spent, "verify_s": verify_s})  # fmt: skip
@@ -345,7 +354,9 @@ class ChatEngineProgram(Program, Profiles, Duels):
         metrics.update({f"rival_{k}": v for k, v in {**rival_checked, **rival_figures}.items()},
                        duel_ratio=figures["tokens_per_s"] / rival_figures["tokens_per_s"]
                        if rival_figures["tokens_per_s"] else float("inf"))  # fmt: skip
-        over = figures["itl_p99_ms"] > a.itl_p99_budget_ms or figures["ttft_p99_ms"] > a.ttft_p99_budget_ms
+        itl_limit = itl_p99_limit_ms(a, rival_figures["itl_p99_ms"])
+        over = figures["itl_p99_ms"] > itl_limit or figures["ttft_p99_ms"] > a.ttft_p99_budget_ms
+        metrics["itl_p99_limit_ms"] = itl_limit
         return Measurement(None if over else figures["tokens_per_s"], metrics, timings)
 
     def close(self) -> None:

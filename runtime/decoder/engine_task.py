@@ -56,6 +56,10 @@ class ChatEngineArgs(TaskArgs, KernelOfferArgs):
     prompt_tokens: tuple[int, int] = Field((32, 512), description="the prompts' lengths in tokens, drawn uniformly")
     max_tokens: int = Field(128, ge=1, description="tokens each answer runs to (greedy, end tokens ignored)")
     itl_p99_budget_ms: float = Field(1000.0, gt=0, description="p99 inter-token latency above this: no fitness")
+    itl_p99_factor: float | None = Field(None, gt=0, description="p99 inter-token latency above this multiple of "
+                                         "the engine's measured beside it (the default engine in a search, the "
+                                         "rival in a duel): no fitness either; a bound that carries across "
+                                         "CPUs")  # fmt: skip
     ttft_p99_budget_ms: float = Field(60000.0, gt=0, description="p99 time to first token above this: no fitness")
     top1_floor: float = Field(0.94, gt=0, le=1, description="top-1 agreement with the fp32 engine, at least")
     kl_floor: float = Field(0.01, ge=0, description="mean KL divergence from the fp32 engine (nats), at most")

@@ -75,6 +75,21 @@ def test_a_duel_carried_by_one_lucky_round_promotes_nothing():
     assert "over the budget" in why_not_promoted(kind, promote, _chat_duel([200.0], [100.0], p99_ms=5000.0))
 
 
+def test_a_chat_duel_holds_the_candidate_to_the_limit_measured_beside_it():
+    """With ``itl_p99_factor`` the duel records the limit it applied (that multiple of the incumbent's p99 between
+    tokens, under the absolute budget): a candidate over it is not promoted, whatever its tokens/s."""
+    config = FactoryConfig.model_validate({"model": "smollm2", "load": {"itl_p99_factor": 1.0}})
+    assert config.load.itl_p99_factor == 1.0
+    kind = kind_of(config)
+    faster_but_slower_between_tokens = _chat_duel([150.0, 140.0], [100.0, 100.0], p99_ms=300.0)
+    assert why_not_promoted(kind, config.promote, faster_but_slower_between_tokens) == ""  # under 1000 ms
+    faster_but_slower_between_tokens.metrics["itl_p99_limit_ms"] = 250.0
+    assert why_not_promoted(kind, config.promote, faster_but_slower_between_tokens) == \
+        "p99 300.0 ms is over the budget 250 ms"
+    with pytest.raises(ValueError, match="itl_p99_factor"):
+        FactoryConfig.model_validate({"model": "smollm2", "load": {"itl_p99_factor": 0}})
+
+
 def test_the_plan_follows_what_each_slot_could_save():
     config = FactoryConfig.model_validate({"budget": {"kernel_evals": 60, "min_evals": 4}})
     profile = _profile(linear=6.0, gelu=2.0, layernorm=1.0, softmax=0.3, other=0.7)

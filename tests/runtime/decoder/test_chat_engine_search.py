@@ -248,6 +248,35 @@ def test_a_host_that_serves_other_tokens_or_miscounts_them_is_wrong(tiny_chat: P
     assert caught.value.metrics["verified_top1"] == 1.0
 
 
+def test_an_engine_slower_between_tokens_than_the_factor_allows_gets_no_fitness(tiny_chat: Path,
+                                                                                tmp_path: Path) -> None:  # fmt: skip
+    """``itl_p99_factor`` bounds the p99 between tokens by a multiple of the default engine's, measured beside it
+    in the same evaluation: at a factor no engine can meet, the measurement stands but earns no fitness."""
+    from runtime.backends.chat_engine import itl_p99_limit_ms
+    from runtime.decoder.engine import ChatEngine
+    from runtime.settings import EvalSettings
+    from runtime.timing import TimingLock
+
+    backend, task, ctx, Program = _backend_and_task(tiny_chat, tmp_path, itl_p99_factor=1e-6)
+    ctx.lock = TimingLock(str(tmp_path / "timing.lock"))
+    engine = ChatEngine(slots="numpy", threads=1)
+    host = _serve(backend, task, ctx, engine)
+    program = Program(task, host, engine, EvalSettings(), ctx, backend)
+    try:
+        got = program.time()
+    finally:
+        program.close()
+        for template in backend._templates.values():
+            template.close()
+    m = got.metrics
+    assert m["ref_itl_p99_ms"] > 0 and m["itl_p99_ms"] > 0 and m["tokens_per_s"] > 0
+    assert m["itl_p99_limit_ms"] == pytest.approx(1e-6 * m["ref_itl_p99_ms"])
+    assert m["over_budget"] is True and got.fitness is None
+    args = task.args.model_copy(update={"itl_p99_factor": 2.0, "itl_p99_budget_ms": 500.0})
+    assert itl_p99_limit_ms(args, 100.0) == 200.0 and itl_p99_limit_ms(args, 400.0) == 500.0
+    assert itl_p99_limit_ms(args.model_copy(update={"itl_p99_factor": None}), 100.0) == 500.0
+
+
 def test_a_host_killed_under_load_is_a_crash_and_the_next_one_serves(tiny_chat: Path, tmp_path: Path) -> None:
     """kill -9 of an engine's host while its load runs: the evaluation ends ``crash`` naming it, and the template
     still serves the next engine."""
