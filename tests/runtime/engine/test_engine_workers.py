@@ -188,3 +188,40 @@ def test_the_bulk_path_runs_longest_first_and_answers_in_the_order_of_the_texts(
         got = np.stack([f.result(timeout=60) for f in engine.submit_all(texts)])
     np.testing.assert_allclose(got, expected, atol=2e-6)
     assert len(lengths) == len(texts) and lengths == sorted(lengths, reverse=True)
+
+
+def test_row_threads_split_a_long_call_across_threads_and_a_short_one_not():
+    from runtime.engine.ops import Ops, RowSplit
+
+    seen: list[tuple[str, int]] = []
+
+    def layernorm(x, g, b, eps):
+        seen.append((threading.current_thread().name, len(x)))
+        return x * g + b
+
+    rows = RowSplit(2, min_rows=8)
+    ops = rows.ops(Ops(layernorm=layernorm))
+    x = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)
+    g, b = np.full(3, 2, np.float32), np.ones(3, np.float32)
+    assert np.array_equal(ops.layernorm(x, g, b, 1e-5), x * g + b)  # the parts in order
+    assert sorted(n for _, n in seen) == [20, 20] and len({name for name, _ in seen}) == 2
+    seen.clear()
+    ops.layernorm(x[:15], g, b, 1e-5)  # under threads * min_rows: whole, in the caller's thread
+    assert seen == [(threading.current_thread().name, 15)]
+    rows.close()
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_an_engine_with_row_threads_embeds_as_one_without(model, sentences, kind):
+    """One worker splitting its rows across both cores (a forked worker makes its own threads): the embeddings
+    of the engine without, the long batches split and the short ones whole."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    texts = sentences[:24]
+    expected = Engine(model, numpy_ops(), EngineConfig(max_batch=8)).embed(texts)
+    with Engine(model, numpy_ops(), EngineConfig(max_batch=8, row_threads=2, worker_kind=kind)) as engine:
+        engine.start()
+        got = np.stack([f.result(timeout=60) for f in engine.submit_all(texts)])
+        assert engine._rows is not None and engine._rows.threads == 2
+    assert np.abs(got - expected).max() < 1e-5
+    assert engine._rows is None  # stopped: its threads gone with it
