@@ -12,7 +12,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runtime.engine.model import Model, Precision
-from runtime.engine.ops import SLOTS, Ops, RowSplit
+from runtime.engine.ops import SLOTS, Ops
 from runtime.engine.scheduler import Batcher, length_class, longest_first
 from runtime.engine.workers import ProcessWorkers
 
@@ -45,9 +45,6 @@ class EngineConfig(BaseModel):
     worker_kind: Literal["thread", "process"] = Field(
         "thread", description="thread: workers share the interpreter; process: each runs in a forked child")
     blas_threads: int = Field(1, ge=1, description="BLAS threads per worker; workers * blas_threads <= cores")
-    row_threads: int = Field(1, ge=1, description="threads each worker splits a row-wise operator's rows across "
-                             "(layer norm, softmax, GELU, the GEMMs: one batch on several cores); workers * "
-                             "row_threads <= cores")  # fmt: skip
     precision: Precision = Field("fp32", description="GEMM weights: fp32, or rounded to bf16 / int8 per channel")
     kernels: dict[str, str] = Field(default_factory=dict, description="slot -> 'numpy' or an elite id")
     queue_size: int = Field(1024, ge=1, description="queued requests at most; more are refused")
@@ -69,8 +66,6 @@ class Engine:
 
     def __init__(self, model: Model, ops: Ops, config: EngineConfig) -> None:
         self.model, self.ops, self.config = model, ops, config
-        self._forward_ops = ops  # what a batch runs: ``ops``, or its rows split across row_threads once started
-        self._rows: RowSplit | None = None
         self._batcher: Batcher[np.ndarray, np.ndarray] | None = None
         self._blas: object | None = None
         self._procs: ProcessWorkers | None = None
@@ -84,13 +79,13 @@ class Engine:
     def run_batch(self, seqs: Sequence[np.ndarray]) -> np.ndarray:
         """Embeddings of token id arrays, in order; ``split`` bucketing runs each length class on its own."""
         if self.config.bucketing != "split" or len(seqs) < 2:
-            return self.model.forward(seqs, self._forward_ops, pack=self.config.pack)
+            return self.model.forward(seqs, self.ops, pack=self.config.pack)
         out = np.empty((len(seqs), self.dim), np.float32)
         classes: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
             classes.setdefault(length_class(len(s)), []).append(i)
         for idx in classes.values():
-            out[idx] = self.model.forward([seqs[i] for i in idx], self._forward_ops, pack=self.config.pack)
+            out[idx] = self.model.forward([seqs[i] for i in idx], self.ops, pack=self.config.pack)
         return out
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
@@ -128,10 +123,6 @@ class Engine:
             log.warning("engine: %d worker(s) x %d BLAS thread(s) exceed the %d core(s) this process may use; "
                         "running %d x %d", c.workers, c.blas_threads, cores, workers, blas)
         self.threads = (workers, blas)
-        rows = max(1, min(c.row_threads, cores // workers))
-        if rows > 1:
-            self._rows = RowSplit(rows)
-            self._forward_ops = self._rows.ops(self.ops)
         kind = c.worker_kind
         if kind == "process" and any(k.openmp for k in self.ops.kernels.values()):
             # GNU OpenMP does not survive a fork once it has run: a child's first parallel region would hang
@@ -206,9 +197,6 @@ class Engine:
         if self._blas is not None:
             self._blas.restore_original_limits()  # type: ignore[attr-defined]
             self._blas = None
-        if self._rows is not None:
-            self._rows.close()
-            self._rows, self._forward_ops = None, self.ops
 
     def __enter__(self) -> Engine:
         return self.start()

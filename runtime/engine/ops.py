@@ -16,8 +16,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
@@ -26,7 +25,7 @@ from runtime.slots import SlotTask, slot_tasks
 from runtime.task import load_task_class
 from runtime.toolchain.cc import CKernel
 
-__all__ = ["SLOTS", "Ops", "RowSplit", "c_slot", "numpy_ops", "slot_task", "tasks_of_slot"]
+__all__ = ["SLOTS", "Ops", "c_slot", "numpy_ops", "slot_task", "tasks_of_slot"]
 
 SLOTS = ("layernorm", "softmax", "gelu", "linear")
 """The engine's operator slots."""
@@ -128,50 +127,6 @@ class Ops:
 
 def numpy_ops() -> Ops:
     return Ops()
-
-
-class RowSplit:
-    """Runs each row-wise operator of an :class:`Ops` (layer norm, softmax, GELU, the GEMMs) on ``threads`` parts
-    of its rows at once: one part in the caller's thread, the others in a pool of this process (made on first
-    use in each process, so a forked worker makes its own). A call of fewer than ``threads * min_rows`` rows runs
-    whole. The C kernels and numpy's BLAS release the GIL, so the parts run on as many cores: one batch, a long
-    request's say, finishes sooner than on one core."""
-
-    def __init__(self, threads: int, min_rows: int = 32) -> None:
-        self.threads, self.min_rows = threads, min_rows
-        self._pool: ThreadPoolExecutor | None = None
-        self._pid = 0
-        self._lock = threading.Lock()
-
-    def ops(self, ops: Ops) -> Ops:
-        """``ops`` with its row-wise operators split (the attention's batched matmuls and the kernels stay)."""
-        return replace(ops, layernorm=self._split(ops.layernorm), softmax=self._split(ops.softmax),
-                       gelu=self._split(ops.gelu), linear=self._split(ops.linear), matmul=self._split(ops.matmul))
-
-    def close(self) -> None:
-        if self._pool is not None and self._pid == os.getpid():
-            self._pool.shutdown(wait=False)
-        self._pool = None
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None or self._pid != os.getpid():  # a forked child has none of its parent's threads
-                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="evoforge-rows")
-                self._pid = os.getpid()
-            return self._pool
-
-    def _split(self, op: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
-        def split(x: np.ndarray, *args: object) -> np.ndarray:
-            rows = len(x)
-            if self.threads < 2 or rows < self.threads * self.min_rows:
-                return op(x, *args)
-            bounds = np.linspace(0, rows, self.threads + 1).astype(int)
-            pool = self._executor()
-            rest = [pool.submit(op, x[a:b], *args) for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
-            first = op(x[: bounds[1]], *args)
-            return np.concatenate([first, *(f.result() for f in rest)])
-
-        return split
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
