@@ -68,7 +68,7 @@ from runtime.engine.kernel_runs import KernelSource
 from runtime.followed_runs import RunNotFound
 from runtime.result import Status
 from runtime.sandbox.chat_host import ChatHost, ChatHostFailed, ChatHostTemplate, prime_chat_host
-from runtime.sandbox.hosted_engine import pin, process_tree
+from runtime.sandbox.hosted_engine import frozen, group_except, pin, process_tree
 from runtime.settings import EvalSettings
 from runtime.timing import TimingLock, pinned
 from runtime.toolchain.cc import CompileError, CompilerNotFound, compiler_version
@@ -96,9 +96,17 @@ def _rss_bytes(pids: list[int]) -> int:
     return total
 
 
-def measure(host: ChatHost, task: ChatEngineTask, cores: set[int], salt: int | None = None) -> Measured:
+def measure(host: ChatHost, task: ChatEngineTask, cores: set[int], salt: int | None = None,
+            others: Callable[[], list[int]] | None = None) -> Measured:  # fmt: skip
     """The task's load on ``host`` (its processes on ``cores``), on prompts drawn from ``salt`` (default a fresh
-    one), after one warm-up request. Raises :class:`Failure` (``crash``) where a request fails."""
+    one), after one warm-up request, with the processes ``others`` names stopped meanwhile (another engine's host
+    cannot slow this one: the rival in a duel, the default engine beside a candidate). Raises :class:`Failure`
+    (``crash``) where a request fails."""
+    with frozen(others) if others is not None else contextlib.nullcontext():
+        return _measure(host, task, cores, salt)
+
+
+def _measure(host: ChatHost, task: ChatEngineTask, cores: set[int], salt: int | None) -> Measured:
     a = task.args
     pin(process_tree(host.pid), cores)
     prompts = task.prompts(secrets.randbits(63) if salt is None else salt)
@@ -241,10 +249,11 @@ class ChatEngineProgram(Program, Profiles, Duels):
             if ref.measured is None or age > a.reference_every_s:
                 default = self.backend.serve_default(task, settings, self.ctx)
                 try:
-                    ref.measured, ref.at, age = measure(default, task, cores), time.monotonic(), 0.0
+                    ref.measured = measure(default, task, cores, others=lambda: self.backend.others(default))
+                    ref.at, age = time.monotonic(), 0.0
                 finally:
                     self.backend.release(default)
-            run = measure(self.host, task, cores)
+            run = measure(self.host, task, cores, others=lambda: self.backend.others(self.host))
         spent = time.perf_counter() - t0 - waited
         t1 = time.perf_counter()
         verified = self._verify(run)
@@ -323,14 +332,18 @@ class ChatEngineProgram(Program, Profiles, Duels):
         mine: list[Measured] = []
         theirs: list[Measured] = []
         t1 = time.perf_counter()
+        def but(one: ChatEngineProgram, other: ChatEngineProgram) -> Callable[[], list[int]]:
+            # every other host stopped, the other side's above all (it may not share this one's backend)
+            return lambda: sorted({*one.backend.others(one.host), *process_tree(other.host.pid)})
+
         with self.ctx.lock.held() as waited, pinned(self.settings.timing.core, self.task.cores) as cores:  # type: ignore[union-attr]
             for _ in range(a.duel_rounds):
                 salt = secrets.randbits(63)
-                mine.append(measure(self.host, self.task, cores, salt))
+                mine.append(measure(self.host, self.task, cores, salt, but(self, rival)))
                 if failed is None:
                     try:
                         with RivalFailure.blame():
-                            theirs.append(measure(rival.host, self.task, cores, salt))
+                            theirs.append(measure(rival.host, self.task, cores, salt, but(rival, self)))
                     except RivalFailure as exc:
                         failed = exc
         spent = time.perf_counter() - t1 - waited
@@ -432,6 +445,14 @@ class ChatEngineBackend(Backend[ChatEngineTask]):
     def release(self, host: ChatHost) -> None:
         self._live.discard(host.pid)
         host.close()
+
+    def others(self, host: ChatHost) -> list[int]:
+        """The processes to stop while ``host`` is measured: every other host's, and, in a worker (which leads
+        its process group, which no host may leave), every process a host orphaned; never a template."""
+        templates = [t.pid for t in self._templates.values()]
+        if os.getpgrp() == os.getpid():
+            return group_except([host.pid], templates)
+        return [pid for live in self._live if live != host.pid for pid in process_tree(live)]
 
     # --- the backend -------------------------------------------------------------------------------
 

@@ -277,6 +277,51 @@ def test_an_engine_slower_between_tokens_than_the_factor_allows_gets_no_fitness(
     assert itl_p99_limit_ms(args.model_copy(update={"itl_p99_factor": None}), 100.0) == 500.0
 
 
+def test_while_one_host_is_measured_every_other_is_stopped(tiny_chat: Path, tmp_path: Path) -> None:
+    """No host can slow the one measured beside it (a candidate's, the default engine's it is held to, a duel's
+    rival): every other host is stopped (SIGSTOP) under the load, and runs again after it."""
+    import os
+    import time
+
+    from runtime.backends.chat_engine import measure
+    from runtime.decoder.engine import ChatEngine
+
+    def state(pid: int) -> str:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    backend, task, ctx, _ = _backend_and_task(tiny_chat, tmp_path, requests=4, max_tokens=40)
+    measured = _serve(backend, task, ctx, ChatEngine(slots="numpy", threads=1))
+    beside = _serve(backend, task, ctx, ChatEngine(slots="numpy", threads=1))
+    seen: list[str] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append(state(beside.pid))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    try:
+        assert beside.pid in backend.others(measured) and measured.pid not in backend.others(measured)
+        watcher.start()
+        got = measure(measured, task, set(os.sched_getaffinity(0)), others=lambda: backend.others(measured))
+        done.set()
+        watcher.join()
+        assert got.load.tokens == 2 * 4 * 40
+        assert seen.count("T") >= 0.9 * len(seen) > 5, seen  # stopped for the load, but for its first instants
+        assert state(beside.pid) != "T"
+        assert measure(beside, task, set(os.sched_getaffinity(0))).load.tokens == 2 * 4 * 40  # and serves again
+    finally:
+        done.set()
+        if watcher.is_alive():
+            watcher.join()
+        backend.release(measured)
+        backend.release(beside)
+        for template in backend._templates.values():
+            template.close()
+
+
 def test_a_host_killed_under_load_is_a_crash_and_the_next_one_serves(tiny_chat: Path, tmp_path: Path) -> None:
     """kill -9 of an engine's host while its load runs: the evaluation ends ``crash`` naming it, and the template
     still serves the next engine."""
