@@ -332,18 +332,19 @@ class ChatEngineProgram(Program, Profiles, Duels):
         mine: list[Measured] = []
         theirs: list[Measured] = []
         t1 = time.perf_counter()
-        def but(one: ChatEngineProgram, other: ChatEngineProgram) -> Callable[[], list[int]]:
-            # every other host stopped, the other side's above all (it may not share this one's backend)
+
+        def all_but(one: ChatEngineProgram, other: ChatEngineProgram) -> Callable[[], list[int]]:
+            # every host but ``one`` stopped, the other side's above all (it may not share ``one``'s backend)
             return lambda: sorted({*one.backend.others(one.host), *process_tree(other.host.pid)})
 
         with self.ctx.lock.held() as waited, pinned(self.settings.timing.core, self.task.cores) as cores:  # type: ignore[union-attr]
             for _ in range(a.duel_rounds):
                 salt = secrets.randbits(63)
-                mine.append(measure(self.host, self.task, cores, salt, but(self, rival)))
+                mine.append(measure(self.host, self.task, cores, salt, all_but(self, rival)))
                 if failed is None:
                     try:
                         with RivalFailure.blame():
-                            theirs.append(measure(rival.host, self.task, cores, salt, but(rival, self)))
+                            theirs.append(measure(rival.host, self.task, cores, salt, all_but(rival, self)))
                     except RivalFailure as exc:
                         failed = exc
         spent = time.perf_counter() - t1 - waited
