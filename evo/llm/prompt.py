@@ -124,7 +124,8 @@ def render_prompt(
                      for c in insp]
     hint_lines = [_hint_line(h) for h in sorted(hints, key=lambda h: getattr(h, "score", 0.0), reverse=True)]
     fields = {"task": task_section(task), "hardware": hardware_section(hardware),
-              "parent": candidate_section(parent, task, title="Parent"), "unit": task.unit, **(extra or {})}
+              "parent": candidate_section(parent, task, title="Parent"), "parent_id": parent.id, "unit": task.unit,
+              **(extra or {})}
 
     def fill(n_insp: int, n_hints: int) -> str:
         ins = "".join(s + "\n\n" for s in insp_sections[:n_insp])

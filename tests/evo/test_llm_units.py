@@ -176,6 +176,14 @@ def test_prompts_are_bounded_by_cutting_hints_then_inspirations_never_a_source()
     assert parent.source in small and "## Inspiration" not in small and "4 more inspirations left out" in small
 
 
+def test_a_template_may_name_the_parent_by_id_alone():
+    parent = cand(7, 2.0)
+    book = PromptBook(PromptSettings())
+    book.templates["agentic"] = "Parent {parent_id}; {unknown} is left as written."
+    text = render_prompt(book, "agentic", task=NaiveMatmul({"m": 8, "n": 8, "k": 8}), hardware={}, parent=parent)
+    assert text == f"Parent {parent.id}; {{unknown}} is left as written." and parent.source not in text
+
+
 def test_agent_history_is_cut_oldest_first():
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "task"}]
     for i in range(6):
