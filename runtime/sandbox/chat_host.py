@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import http.client
 import json
 import os
@@ -279,7 +280,7 @@ def serve_confined(listener: socket.socket, model: DecoderModel, model_ids: tupl
     # any process, its own included): it drains on SIGTERM or SIGINT here, and returns
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, server.handle_exit)
+        signal.signal(sig, functools.partial(_hand_over, server))
     if ready_fd is not None:
 
         def say_ready() -> None:
@@ -291,6 +292,27 @@ def serve_confined(listener: socket.socket, model: DecoderModel, model_ids: tupl
 
         threading.Thread(target=say_ready, name="evoforge-ready", daemon=True).start()
     server.run()
+
+
+HANDOVER_S = 0.5
+"""How long a draining host leaves the connections it accepted last to send their request before it drains."""
+
+
+def _hand_over(server: Any, sig: int, frame: Any) -> None:
+    """SIGTERM or SIGINT: stop accepting, then drain :data:`HANDOVER_S` later. The listener is shared with the
+    next engine's process, which takes every new connection from now on; uvicorn's drain closes each connection
+    that has no request in progress, so one accepted here just before, whose request is not read yet, would be
+    reset."""
+    import asyncio
+    import threading
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not serving yet: nothing was accepted
+        server.handle_exit(sig, frame)
+        return
+    loop.call_soon_threadsafe(lambda: [s.close() for s in server.servers])
+    threading.Timer(HANDOVER_S, server.handle_exit, (sig, frame)).start()
 
 
 PROFILE_LINE = "EVOFORGE-PROFILE "

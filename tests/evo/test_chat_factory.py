@@ -112,6 +112,23 @@ def _stream(port: int, out: list[tuple[int, int, bool]], stop: threading.Event) 
             conn.close()
 
 
+def _knock(port: int, out: list[str], stop: threading.Event) -> None:
+    """New connections one after another until ``stop``, each asking GET /health: what any one of them met other
+    than a 200 (a connection the old engine's process accepted just before it drained must still be answered)."""
+    while not stop.is_set():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            resp.read()
+            if resp.status != 200:
+                out.append(f"status {resp.status}")
+        except OSError as exc:
+            out.append(repr(exc))
+        finally:
+            conn.close()
+
+
 def test_serve_follow_swaps_chat_engines_without_a_cut_stream(chat_factory: Path, tmp_path: Path) -> None:
     import shutil
 
@@ -127,7 +144,9 @@ def test_serve_follow_swaps_chat_engines_without_a_cut_stream(chat_factory: Path
     port = int(srv.url.rsplit(":", 1)[1])
     answers: list[tuple[int, int, bool]] = []
     halt = threading.Event()
+    refused: list[str] = []
     clients = [threading.Thread(target=_stream, args=(port, answers, halt)) for _ in range(2)]
+    clients += [threading.Thread(target=_knock, args=(port, refused, halt)) for _ in range(4)]
     try:
         served = srv.call("GET", "/ready")[1]["engine"]
         for t in clients:
@@ -152,6 +171,7 @@ def test_serve_follow_swaps_chat_engines_without_a_cut_stream(chat_factory: Path
                      "kernels": {k.removeprefix("kernel_"): v for k, v in params.items()
                                  if k.startswith("kernel_") and v != "numpy"}}  # fmt: skip
     assert len(answers) >= 4 and all(a == (200, 24, True) for a in answers), answers
+    assert not refused, refused[:5]
     swaps = [json.loads(line) for line in (factory / "swaps.jsonl").read_text().splitlines()]
     assert swaps[-1]["elite"] == other.id and swaps[-1]["ok"] is True and swaps[-1]["round"] == 2, swaps
 
