@@ -509,7 +509,11 @@ def spawn_elite(run: RunReader, candidate_id: str | None, model: Model, *, runs:
         config = EngineConfig.model_validate(dict(overrides or {}))
         return spawn_host(model, config, {"model_dir": str(model.path)}, python=python)
     task, config, compiler, cache_dir = elite_task(run, candidate_id, runs=runs, model=model, overrides=overrides)
-    measured = run.stored(candidate_id).metrics.get("kernel_sha256")  # the libraries it was measured with
+    stored = run.stored(candidate_id)
+    measured = stored.metrics.get("kernel_sha256")  # the libraries it was measured with
+    if isinstance(measured, dict):  # a slot whose kernel an override changed has no measured build to hold to
+        own = task.engine_config(stored.genome).kernels
+        measured = {slot: sha for slot, sha in measured.items() if config.kernels.get(slot) == own.get(slot)}
     spec = {"task": {"name": task.name, "args": task.args.model_dump(mode="json")}, "model_dir": str(model.path),
             "compiler": compiler.model_dump(mode="json"), "cache_dir": cache_dir,
             "kernel_sha256": measured if isinstance(measured, dict) else None}  # fmt: skip

@@ -106,3 +106,20 @@ def test_engine_search_runs_and_its_elite_loads_back(tmp_path, model, sentences)
             assert np.sum(got * want, axis=1).min() >= 0.999
         finally:
             engine.close()
+
+    # the elite with another offered kernel in its measured slot, hosted as a duel or a bench hosts it: it builds
+    # that kernel (the elite's measured build names the kernel it was measured with, not the one put in its place)
+    from runtime.sandbox.hosted_engine import spawn_elite
+
+    cid = with_kernel[0]
+    params = best[ids.index(cid)]["params"]
+    other = next(v for v in ln_run["ids"] if not v.startswith(params["kernel_layernorm"]))
+    with Run.open(run_dir) as run:
+        hosted = spawn_elite(run, cid[:12], model, runs=Run.open, overrides={"kernels": {"layernorm": other[:16]}})
+    try:
+        hosted.start()
+        got = np.stack([hosted.submit(s).result(timeout=60) for s in sentences[:8]])
+        hosted.stop()
+        assert np.sum(got * want, axis=1).min() >= 0.999
+    finally:
+        hosted.close()
