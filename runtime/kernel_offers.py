@@ -189,14 +189,24 @@ class KernelOffers(FollowsRuns):
         start = dict((base or self.offer_start()).params)
         together = dict(start)
         for slot, ids in self.kernel_choices().items():
-            new = [a["id"][:16] for a in added if a["slot"] == slot]  # fittest first
+            new = [self.offered_name(a) for a in added if a["slot"] == slot]  # fittest first
             ranked = [*new, *(cid for cid in reversed(ids) if cid not in new)]
             if ranked:
                 together[f"kernel_{slot}"] = next((c for c in ranked if self._keeps(start, slot, c)), ranked[0])
         together = Genome(params=self.fit_kernels(together))
-        alone = [Genome(params={**start, f"kernel_{a['slot']}": a["id"][:16]}) for a in added
-                 if self._keeps(start, a["slot"], a["id"][:16])]  # fmt: skip
+        alone = [Genome(params={**start, f"kernel_{a['slot']}": self.offered_name(a)}) for a in added
+                 if self._keeps(start, a["slot"], self.offered_name(a))]  # fmt: skip
         return [together, *(g for g in alone if g.id != together.id)]
+
+    def offered_name(self, offer: Mapping[str, Any]) -> str:
+        """The choice that names ``offer`` (a record of :meth:`new_offers`: slot, id and task; without a task,
+        the first kernel of that id) in the genome."""
+        self.kernel_choices()
+        _, sources = self._offer_state()
+        task = offer.get("task")
+        return next((name for (slot, name), k in sources.items()
+                     if slot == offer["slot"] and k.id == offer["id"] and task in (None, k.task)),
+                    str(offer["id"])[:16])  # fmt: skip
 
     def _keeps(self, params: Mapping[str, Any], slot: str, cid: str) -> bool:
         """Whether kernel ``cid`` runs in ``slot`` of ``params`` with nothing else of it changed (an engine of the
@@ -215,7 +225,8 @@ class KernelOffers(FollowsRuns):
     # --- the genes ------------------------------------------------------------------------------------
 
     def kernel_choices(self) -> dict[str, list[str]]:
-        """Slot -> elite ids offered (unique prefixes, as the genome names them)."""
+        """Slot -> elite ids offered (unique prefixes, as the genome names them; ``<prefix>@<task>`` for a kernel
+        whose id another task's kernel offered first: the same template parameters in two tasks)."""
         choices, sources = self._offer_state()
         if choices is None:
             choices = {}
@@ -236,6 +247,11 @@ class KernelOffers(FollowsRuns):
                                          f"or drop the slot (or mark it optional: true)")
                     for cid, kernel in kr.offered.items():
                         short = cid[:16]  # a unique prefix keeps params readable
+                        known = sources.get((slot, short))
+                        if known is not None and (known.task, known.source) != (kernel.task, kernel.source):
+                            # another task's kernel of the same genome (the same template parameters): the
+                            # first offered keeps the id, this one is named apart, not shadowed
+                            short = f"{short}@{kernel.task}"
                         if short not in ids:
                             sources[(slot, short)] = KernelSource(slot, cid, kernel.source, tuple(kernel.flags),
                                                                   kernel.task, args=dict(kernel.args))  # fmt: skip

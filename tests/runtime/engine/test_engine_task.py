@@ -169,6 +169,35 @@ def test_a_kernel_run_is_read_once_into_the_args_it_travels_in(tmp_path):
     assert EngineTask.read_runs(EngineTask.resolve_args(args, str(tmp_path)), Run.open) == args
 
 
+def test_two_tasks_kernels_of_one_genome_are_both_offered_each_as_itself(tmp_path):
+    """A template genome's id does not name its task: linear_f32's and linear_int8_avx2's kernels of the same
+    parameters share it. The slot offers both, the second named ``<id>@<task>``, and each name builds its own
+    task's kernel (the second was shadowed: an engine asked for it ran the first)."""
+    from archive import Run, Store
+    from runtime.result import EvalResult
+
+    params = {"KU": 2, "MR": 4, "NR": 1, "PANEL": 64}
+    for name in ("linear_f32", "linear_int8_avx2"):
+        (tmp_path / name).mkdir()
+        store = Store(tmp_path / name)
+        store.set_meta("config", yaml.safe_dump({"task": {"name": name, "args": {}}}))
+        store.add_pending(genome=Genome(params=params), operator="seed")
+        store.record_result(Genome(params=params).id, EvalResult(status=Status.OK, fitness=1.0, unit="GFLOP/s"))
+        store.close()
+    kernels = {"linear": [{"run_dir": "linear_f32"}, {"run_dir": "linear_int8_avx2"}]}
+    task = EngineTask(EngineTask.read_runs(EngineTask.resolve_args({**TINY, "kernels": kernels}, str(tmp_path)),
+                                           Run.open))  # fmt: skip
+    short = Genome(params=params).id[:16]
+    assert task.kernel_choices() == {"linear": [short, f"{short}@linear_int8_avx2"]}
+    built = {name: task.kernel_source("linear", name) for name in task.kernel_choices()["linear"]}
+    assert [k.task for k in built.values()] == ["linear_f32", "linear_int8_avx2"]
+    assert "_mm256_madd_epi16" in built[f"{short}@linear_int8_avx2"].source
+    assert "_mm256_madd_epi16" not in built[short].source
+    offer = {"slot": "linear", "id": Genome(params=params).id, "task": "linear_int8_avx2"}
+    assert task.offered_name(offer) == f"{short}@linear_int8_avx2"
+    assert task.offer_seeds(None, [offer])[-1].params["kernel_linear"] == f"{short}@linear_int8_avx2"
+
+
 def test_relative_kernel_run_dirs_are_made_absolute():  # nothing to read them with: paths only
     args = EngineTask.resolve_args({"kernels": {"gelu": {"run_dir": "runs/g"}, "softmax": {"run_dir": "/abs/s"}},
                                       "model_dir": "m"}, "/work/here")
