@@ -22,8 +22,9 @@ batching) answer the same clients' requests on keep-alive connections. Bulk: ``-
 contestant through its own bulk path (``SentenceTransformer.encode`` sorts by length; FastEmbed's ``embed``
 does not, and is measured again sorted by the bench; ONNX Runtime has none: sorted by the bench).
 
-Prints each one's minimum cosine to the fp32 reference (sentence-transformers), and, for serving and bulk, ours
-against the strongest peer at min cosine >= 0.99 and the distance to the goal of 1.5x. Under
+Prints each one's minimum cosine to the fp32 reference (sentence-transformers) over the load's texts and the
+real sentences the engine's similarity check embeds (``runtime/engine/check_sentences.txt``), and, for serving
+and bulk, ours against the strongest peer at min cosine >= 0.99 and the distance to the goal of 1.5x. Under
 ``EVOFORGE_CPU_ISA=avx2`` the peers are capped at AVX2 too: on a CPU that can fault CPUID, the bench starts
 again with its CPUID masked (``runtime/cpuid_mask.c``), which caps every library; elsewhere each library's own
 setting caps it, and those that have none are named.
@@ -62,7 +63,7 @@ from _servers import EVO_SERVE, INFINITY, HttpServer, ServerFailed, evo_serve, i
 
 from archive import Run  # noqa: E402
 from runtime.engine import Batcher, LoadResult, closed_loop  # noqa: E402
-from runtime.engine.task import EngineTask  # noqa: E402
+from runtime.engine.task import EngineTask, check_sentences  # noqa: E402
 from runtime.sandbox.hosted_engine import pin, spawn_elite  # noqa: E402
 from runtime.timing import pinned  # noqa: E402
 
@@ -239,7 +240,8 @@ def main() -> None:
     texts = task.texts()
     tokens = {t: len(s) for t, s in zip(texts, model.tokenizer.encode_batch(texts), strict=True)}
     st = SentenceTransformer(str(model.path), device="cpu")
-    reference = st.encode(texts, batch_size=32, normalize_embeddings=True, convert_to_numpy=True)
+    checked = [*texts, *check_sentences()]  # the load's texts and real sentences: the min cosine is over both
+    reference = st.encode(checked, batch_size=32, normalize_embeddings=True, convert_to_numpy=True)
     fresh = task.fresh_texts(salt=11)
     if args.bulk_tokens:
         from runtime.engine.task import FreshTexts
@@ -269,12 +271,12 @@ def main() -> None:
             if not (args.no_http or args.bulk_only):  # started here: they inherit the cores
                 servers = start_servers(run_dir, cand.id, model.path, threads, args.batch, Path(tmp), skipped, py)
             with paused(servers):
-                similarity = {name: min_cosine(e.embed(texts), reference) for name, e in engines.items()}
-                similarity.update({p.name: min_cosine(p.bulk(texts), reference) for p in peers})
+                similarity = {name: min_cosine(e.embed(checked), reference) for name, e in engines.items()}
+                similarity.update({p.name: min_cosine(p.bulk(checked), reference) for p in peers})
             for s in servers:
                 with paused(x for x in servers if x is not s):
                     try:
-                        similarity[s.name] = min_cosine(s.embed(texts, args.batch), reference)
+                        similarity[s.name] = min_cosine(s.embed(checked, args.batch), reference)
                     except ServerFailed as exc:
                         skipped[s.name] = str(exc)
             runs, bulk_runs = measure(engines, peers, servers, texts, tokens, bulk_texts, load, args, skipped)

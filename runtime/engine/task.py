@@ -2,7 +2,8 @@
 
 A candidate (max batch, max wait, token budget, bucketing, packing, workers x BLAS threads, precision,
 a kernel per slot) is built into an :class:`Engine`, checked against the fp32 numpy engine (minimum
-cosine over the load's texts must reach ``similarity_floor``), then driven by ``concurrency``
+cosine over the first load texts and the real sentences shipped for the check must reach ``similarity_floor``),
+then driven by ``concurrency``
 closed-loop clients. Fitness is the throughput; a candidate whose p99 latency exceeds
 ``p99_budget_ms`` ends ``ok`` with its figures and ``over_budget: true`` but no fitness, so it is
 stored and never an elite. The evaluation itself is :mod:`runtime.backends.engine`'s.
@@ -14,6 +15,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,7 +33,7 @@ from runtime.settings import CompilerSettings
 from runtime.task import Descriptor, Task, TaskArgs
 from runtime.toolchain.cc import CompileResult
 
-__all__ = ["EngineArgs", "EngineTask", "cosines"]
+__all__ = ["EngineArgs", "EngineTask", "check_sentences", "cosines"]
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +50,8 @@ class EngineArgs(TaskArgs, ServingLoad, KernelOfferArgs):
     precisions: list[Precision] = Field(default_factory=lambda: ["fp32"], description="precisions to choose from")
     max_batch: int = Field(64, ge=1, description="largest max_batch the space offers (a power of two)")
     seed: int = Field(0, description="seed of the request texts")
-    check_texts: int = Field(32, ge=1, description="texts the similarity check compares with the fp32 engine (the "
-                             "first fixed texts: at most `texts`)")
+    check_texts: int = Field(32, ge=1, description="request texts the similarity check compares with the fp32 engine "
+                             "(the first fixed texts: at most `texts`), beside the sentences shipped for it")
     duel_rounds: int = Field(2, ge=1, description="load rounds of each engine in a duel, alternating")
     model_dir: str | None = Field(None, description="a BERT sentence encoder's directory, in the sentence-transformers "
                                   "layout (default: the bundled all-MiniLM-L6-v2)")
@@ -72,6 +74,7 @@ class EngineTask(Task, KernelOffers):
         super().__init__(args)
         self._model: Model | None = None
         self._texts: list[str] | None = None
+        self._check: list[str] | None = None
         self._reference: np.ndarray | None = None
 
     @classmethod
@@ -143,6 +146,7 @@ class EngineTask(Task, KernelOffers):
         process is forked after this, and nothing a candidate could copy may exist in it."""
         self.model()
         self.texts()
+        self.check_texts()
         for slot, ids in self.kernel_choices().items():
             for cid in ids:
                 self.kernel_source(slot, cid)
@@ -169,9 +173,16 @@ class EngineTask(Task, KernelOffers):
         """An endless sequence of new texts like :meth:`texts` (a load never sends an engine one twice)."""
         return FreshTexts(self.model().tokenizer.vocabulary_words(), self.args.lengths, salt)
 
+    def check_texts(self) -> list[str]:
+        """The similarity check's texts: the first ``check_texts`` request texts, then :func:`check_sentences`
+        (real language, longer than most request texts: an error the random words do not stir shows there)."""
+        if self._check is None:
+            self._check = [*self.texts()[: self.args.check_texts], *check_sentences()]
+        return self._check
+
     def _reference_embeddings(self) -> np.ndarray:
         if self._reference is None:
-            self._reference = self.reference_embed(self.texts()[: self.args.check_texts])
+            self._reference = self.reference_embed(self.check_texts())
         return self._reference
 
     def reference_embed(self, texts: Sequence[str]) -> np.ndarray:
@@ -198,8 +209,8 @@ class EngineTask(Task, KernelOffers):
         return Engine(self.model().with_precision(config.precision), ops, config)
 
     def similarity(self, engine: Engine) -> float:
-        """Minimum cosine between ``engine``'s embeddings and the fp32 numpy engine's, over the check texts."""
-        got = engine.embed(self.texts()[: self.args.check_texts])
+        """Minimum cosine between ``engine``'s embeddings and the fp32 numpy engine's, over :meth:`check_texts`."""
+        got = engine.embed(self.check_texts())
         return float(np.min(cosines(got, self._reference_embeddings())))
 
     def fallbacks(self, config: EngineConfig) -> dict[str, str]:
@@ -247,6 +258,15 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Row-wise cosine of two ``[n, dim]`` arrays (embeddings of a model that does not normalise too)."""
     norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
     return np.sum(a * b, axis=1) / np.maximum(norms, 1e-30)
+
+
+CHECK_SENTENCES = Path(__file__).with_name("check_sentences.txt")
+
+
+def check_sentences() -> list[str]:
+    """Real English sentences and paragraphs (9 to 103 MiniLM tokens) every similarity check embeds too: a
+    quantised engine that keeps random vocabulary words near the fp32 answer can still drift on real text."""
+    return [line for line in CHECK_SENTENCES.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def request_texts(model: Model, lengths: Mapping[int, float], n: int, seed: int) -> list[str]:

@@ -41,14 +41,14 @@ LAYERNORM = r"""
 """
 HONEST = f"#include <math.h>\n{SIGNATURE} {{\n{LAYERNORM}}}\n"
 
-# Right on its first 60 calls (the similarity check of 32 texts, one length, max batch 32: a forward or two of
-# 13 calls each), then it skips the work and copies its input: four times less work per call, and wrong,
-# however few requests a slow machine completes under load.
+# Right on its first 200 calls (the similarity check: 16 request texts of one length and the 63 shipped sentences,
+# six forwards of 13 calls each), then it skips the work and copies its input: four times less work per call, and
+# wrong, however few requests a slow machine completes under load (a dozen forwards).
 WRONG_UNDER_LOAD = f"""#include <math.h>
 #include <string.h>
 static long calls;
 {SIGNATURE} {{
-    if (++calls > 60) {{ memcpy(y, x, sizeof(float) * rows * cols); return; }}
+    if (++calls > 200) {{ memcpy(y, x, sizeof(float) * rows * cols); return; }}
 {LAYERNORM}}}
 """
 

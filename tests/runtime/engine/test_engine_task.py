@@ -114,6 +114,23 @@ def test_under_the_similarity_floor_is_wrong(task, tmp_path):
     assert duel.status == Status.WRONG and "under the floor" in duel.error
 
 
+def test_the_similarity_check_embeds_real_sentences_beside_the_request_texts(task):
+    """The floor holds over the first request texts (random vocabulary words, ~10 tokens here) and the real
+    sentences shipped for the check (9 to 103 tokens): an int8 engine's figure is the lower of the two sets'."""
+    from runtime.engine import Engine, EngineConfig, numpy_ops
+    from runtime.engine.task import check_sentences, cosines
+
+    sentences = check_sentences()
+    assert len(sentences) >= 60 and task.check_texts() == [*task.texts()[: task.args.check_texts], *sentences]
+    tokens = [len(task.model().tokenizer.encode(s)) for s in sentences]
+    assert max(tokens) > 100 > 3 * max(len(task.model().tokenizer.encode(t)) for t in task.texts())
+    fp32 = Engine(task.model(), numpy_ops(), EngineConfig())
+    int8 = Engine(task.model().with_precision("int8"), numpy_ops(), EngineConfig(precision="int8"))
+    words, real = task.texts()[: task.args.check_texts], sentences
+    by_set = [float(cosines(int8.embed(x), fp32.embed(x)).min()) for x in (words, real)]
+    assert task.similarity(int8) == pytest.approx(min(by_set), abs=1e-6) and task.similarity(fp32) > 0.99999
+
+
 def test_a_genome_outside_the_engine_is_invalid(task, tmp_path):
     req, t = _request(task, {"bucketing": "zigzag"}, tmp_path)
     assert evaluate(req, t, _ctx(tmp_path)).status == Status.INVALID
