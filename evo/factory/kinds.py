@@ -140,7 +140,8 @@ class EncoderKind(ModelKind):
         if "similarity" not in result.metrics:
             return None
         floor = self.config.promote.similarity_floor  # type: ignore[union-attr]
-        return f"min cosine {result.metrics['similarity']:.5f} on held-out texts is under the floor {floor}"
+        return (f"min cosine {result.metrics['similarity']:.5f} on held-out texts and the check sentences is under "
+                f"the floor {floor}")
 
     def fidelity_text(self, figures: Mapping[str, Any]) -> str:
         return f"min cosine {figures.get('similarity', float('nan')):.5f}"
