@@ -294,15 +294,16 @@ def serve_confined(listener: socket.socket, model: DecoderModel, model_ids: tupl
     server.run()
 
 
-HANDOVER_S = 0.5
-"""How long a draining host leaves the connections it accepted last to send their request before it drains."""
+HANDOVER_S = 5.0
+"""How long a draining host waits, at most, for the connections it accepted to send their first request."""
 
 
 def _hand_over(server: Any, sig: int, frame: Any) -> None:
-    """SIGTERM or SIGINT: stop accepting, then drain :data:`HANDOVER_S` later. The listener is shared with the
-    next engine's process, which takes every new connection from now on; uvicorn's drain closes each connection
-    that has no request in progress, so one accepted here just before, whose request is not read yet, would be
-    reset."""
+    """SIGTERM or SIGINT: stop accepting, wait until every connection accepted here has sent its first request
+    (at most :data:`HANDOVER_S`), then drain. The listener is shared with the next engine's process, which takes
+    every new connection from now on. uvicorn's drain closes each connection with no request in progress, and one
+    accepted just before whose client had not sent its request yet (a loaded machine leaves the client's thread
+    waiting) would be reset."""
     import asyncio
     import threading
 
@@ -312,7 +313,25 @@ def _hand_over(server: Any, sig: int, frame: Any) -> None:
         server.handle_exit(sig, frame)
         return
     loop.call_soon_threadsafe(lambda: [s.close() for s in server.servers])
-    threading.Timer(HANDOVER_S, server.handle_exit, (sig, frame)).start()
+
+    def drain_once_asked() -> None:
+        deadline = time.monotonic() + HANDOVER_S
+        time.sleep(0.05)  # what the loop accepted before it closed gets its protocol
+        while time.monotonic() < deadline and _unasked(server):
+            time.sleep(0.01)
+        server.handle_exit(sig, frame)
+
+    threading.Thread(target=drain_once_asked, name="evoforge-handover", daemon=True).start()
+
+
+def _unasked(server: Any) -> bool:
+    """Whether a connection of ``server`` has not sent a request yet (uvicorn's protocols: no ``cycle``)."""
+    for _ in range(10):  # the loop's thread may change the set meanwhile
+        try:
+            return any(getattr(c, "cycle", True) is None for c in list(server.server_state.connections))
+        except RuntimeError:
+            continue
+    return False
 
 
 PROFILE_LINE = "EVOFORGE-PROFILE "

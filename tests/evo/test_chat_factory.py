@@ -129,6 +129,24 @@ def _knock(port: int, out: list[str], stop: threading.Event) -> None:
             conn.close()
 
 
+def _ask_late(port: int, out: list[str], swapped: threading.Event) -> None:
+    """Connects now (the engine being served accepts it), and sends its request 2 s after the next engine serves:
+    a slow client, once the old engine's process was told to stop."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.connect()
+        swapped.wait(120)
+        time.sleep(2.0)
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        resp.read()
+        out.append(f"status {resp.status}")
+    except OSError as exc:
+        out.append(repr(exc))
+    finally:
+        conn.close()
+
+
 def test_serve_follow_swaps_chat_engines_without_a_cut_stream(chat_factory: Path, tmp_path: Path) -> None:
     import shutil
 
@@ -147,6 +165,9 @@ def test_serve_follow_swaps_chat_engines_without_a_cut_stream(chat_factory: Path
     refused: list[str] = []
     clients = [threading.Thread(target=_stream, args=(port, answers, halt)) for _ in range(2)]
     clients += [threading.Thread(target=_knock, args=(port, refused, halt)) for _ in range(4)]
+    late: list[str] = []
+    swapped = threading.Event()
+    clients.append(threading.Thread(target=_ask_late, args=(port, late, swapped)))
     try:
         served = srv.call("GET", "/ready")[1]["engine"]
         for t in clients:
@@ -158,9 +179,11 @@ def test_serve_follow_swaps_chat_engines_without_a_cut_stream(chat_factory: Path
         while (after := srv.call("GET", "/ready")[1]["engine"]) == served:
             assert time.monotonic() < deadline, "never swapped to the new promotion"
             time.sleep(0.2)
-        time.sleep(1.0)
+        swapped.set()
+        time.sleep(2.5)
     finally:
         halt.set()
+        swapped.set()
         for t in clients:
             if t.ident is not None:
                 t.join(90)
@@ -172,6 +195,7 @@ def test_serve_follow_swaps_chat_engines_without_a_cut_stream(chat_factory: Path
                                  if k.startswith("kernel_") and v != "numpy"}}  # fmt: skip
     assert len(answers) >= 4 and all(a == (200, 24, True) for a in answers), answers
     assert not refused, refused[:5]
+    assert late == ["status 200"], late  # accepted by the old engine's process, asked after it was told to stop
     swaps = [json.loads(line) for line in (factory / "swaps.jsonl").read_text().splitlines()]
     assert swaps[-1]["elite"] == other.id and swaps[-1]["ok"] is True and swaps[-1]["round"] == 2, swaps
 
