@@ -68,7 +68,7 @@ from runtime.engine.kernel_runs import KernelSource
 from runtime.followed_runs import RunNotFound
 from runtime.result import Status
 from runtime.sandbox.chat_host import ChatHost, ChatHostFailed, ChatHostTemplate, prime_chat_host
-from runtime.sandbox.hosted_engine import frozen, group_except, pin, process_tree
+from runtime.sandbox.hosted_engine import beside, frozen, pin, process_tree
 from runtime.settings import EvalSettings
 from runtime.timing import TimingLock, pinned
 from runtime.toolchain.cc import CompileError, CompilerNotFound, compiler_version
@@ -450,10 +450,7 @@ class ChatEngineBackend(Backend[ChatEngineTask]):
     def others(self, host: ChatHost) -> list[int]:
         """The processes to stop while ``host`` is measured: every other host's, and, in a worker (which leads
         its process group, which no host may leave), every process a host orphaned; never a template."""
-        templates = [t.pid for t in self._templates.values()]
-        if os.getpgrp() == os.getpid():
-            return group_except([host.pid], templates)
-        return [pid for live in self._live if live != host.pid for pid in process_tree(live)]
+        return beside(host.pid, self._live, [t.pid for t in self._templates.values()])
 
     # --- the backend -------------------------------------------------------------------------------
 

@@ -55,10 +55,10 @@ from runtime.sandbox.hosted_engine import (
     EngineBuildFailed,
     EngineTemplate,
     HostedEngine,
+    beside,
     frozen,
     group_except,
     pin,
-    process_tree,
     statm_mb,
 )
 from runtime.settings import EvalSettings
@@ -361,9 +361,8 @@ class EngineBackend(Backend[EngineTask]):
     def others(self, engine: HostedEngine) -> list[int]:
         """The processes to stop while ``engine`` is measured: every other engine's, and, in a worker (which
         leads its process group, which no engine may leave), every process an engine orphaned."""
-        if os.getpgrp() == os.getpid():
-            return group_except([engine.process.pid], [t.pid for t in self._templates.values()])
-        return [pid for e in self._live if e is not engine for pid in process_tree(e.process.pid)]
+        live, templates = [e.process.pid for e in self._live], [t.pid for t in self._templates.values()]
+        return beside(engine.process.pid, live, templates)
 
     # --- the backend -------------------------------------------------------------------------------
 

@@ -89,6 +89,15 @@ def group_except(trees: Iterable[int] = (), pids: Iterable[int] = ()) -> list[in
     return [pid for pid, (_, g, state) in table.items() if g == pgrp and pid not in spared and state != "Z"]
 
 
+def beside(own: int, live: Iterable[int], templates: Iterable[int]) -> list[int]:
+    """The processes to stop while the host ``own`` is measured: the trees of the other ``live`` hosts, and, in
+    a worker (which leads its process group, which no host may leave), every process of the group a host
+    orphaned; never a template hosts are forked from."""
+    if os.getpgrp() == os.getpid():
+        return group_except([own], templates)
+    return [pid for host in live if host != own for pid in process_tree(host)]
+
+
 @contextlib.contextmanager
 def frozen(select: Callable[[], list[int]]) -> Iterator[list[int]]:
     """Stops (SIGSTOP) the processes ``select`` names, again until no new one appears (one may fork meanwhile),
