@@ -14,8 +14,8 @@ from genome import Genome
 from runtime.hardware import cpu_flags
 from runtime.task import Task
 from runtime.tasks.linear_f32 import LinearF32, pack_f32, unpack_f32
-from runtime.tasks.linear_int8 import LinearInt8, int8_linear_reference, pack_int8
-from runtime.tasks.linear_int8_avx2 import LinearInt8Avx2
+from runtime.tasks.linear_int8 import int8_linear_reference, pack_int8
+from runtime.tasks.linear_int8_avx2 import LinearInt8Avx2, pack_int8_panels, panels_to_quads, quads_to_panels
 
 pytestmark = [pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="this CPU has no AVX2 and FMA"),
               pytest.mark.exclusive]  # it measures time
@@ -44,20 +44,35 @@ def test_threads_share_the_work(cls: type[Task], tmp_path: Path) -> None:
 
 
 def test_int8_avx2_answers_what_linear_int8_answers(tmp_path: Path) -> None:
-    """The same packing and arithmetic as the VNNI task, bit for bit, on 8-bit weights whose u8 x s8 pairs
-    overflow int16 (a kernel through vpmaddubsw's saturating pairs would be off)."""
+    """The same quantisation and arithmetic as the VNNI task, bit for bit, on 8-bit weights whose u8 x s8 pairs
+    overflow int16 (a kernel through vpmaddubsw's saturating pairs would be off); only W's layout differs."""
     task = LinearInt8Avx2()
-    assert task.reference.__func__ is LinearInt8.reference and task.slot_pack.__func__ is LinearInt8.slot_pack
     fn = compile_kernel(task, Genome(params=task.tile_seed), tmp_path)
     case = {"m": 9, "k": 64, "n": 16}
     inputs = task.inputs(case, np.random.default_rng(5))
     inputs["x"][:, :] = 4.0  # every q at 255 ...
     inputs["w"][:, 0] = 1.0  # ... and column 0's weights at 127: each pair sums 64770 > 32767
     inputs["wq"], inputs["w_scale"], inputs["w_colsum"] = pack_int8(inputs["w"])
+    inputs["wp"] = pack_int8_panels(inputs["w"])[0]
     y = np.full((9, 16), np.nan, np.float32)
     call(fn, task.kernel_args(case, {**inputs, "y": y}))
     np.testing.assert_array_equal(y, int8_linear_reference(inputs["x"], inputs["wq"], inputs["w_scale"],
                                                            inputs["w_colsum"], inputs["bias"]))  # fmt: skip
+
+
+def test_int8_panels_hold_the_quads_weights() -> None:
+    """The AVX2 layout is linear_int8's quantised weights, each where the kernels read it, and back."""
+    w = np.random.default_rng(7).uniform(-1, 1, (64, 24)).astype(np.float32)
+    wq, scale, colsum = pack_int8(w)
+    wp, scale_p, colsum_p = pack_int8_panels(w)
+    assert wp.dtype == np.int8 and wp.shape == (3, 16, 8, 4)
+    assert np.array_equal(scale, scale_p) and np.array_equal(colsum, colsum_p)
+    flat = wp.ravel()
+    for kk, j in [(0, 0), (5, 9), (63, 23), (17, 8)]:
+        assert flat[(((j // 8) * 16 + kk // 4) * 8 + j % 8) * 4 + kk % 4] == wq[kk // 4, j, kk % 4]
+    assert np.array_equal(panels_to_quads(wp), wq) and np.array_equal(quads_to_panels(wq), wp)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quads_to_panels(wq[:, :20])
 
 
 def test_a_bf16_gemm_passes_no_f32_check(tmp_path: Path) -> None:

@@ -1,15 +1,16 @@
 /* Parametric int8 linear layer with dynamic quantisation on AVX2 (runtime.tasks.linear_int8_avx2):
- *   q, s, z = per-row u8 quantisation of x (asymmetric), acc = q @ wq exactly in int32,
+ *   q, s, z = per-row u8 quantisation of x (asymmetric), acc = q @ W exactly in int32,
  *   y = (float)(acc - z * w_colsum) * (s * w_scale) + bias (each float operation rounded on its own).
  *
  * x is fp32 row-major; each row is quantised once per call, a panel of rows at a time, into a heap buffer of
  * int16 (u8 values widened): lo = min(0, min x), hi = max(0, max x), s = (hi - lo) / 255 (1 if 0),
  * inv = 1 / s, z = rint(-lo * inv), q = clamp(rint(x * inv) + z, 0, 255), rint to nearest even (vcvtps2dq under
- * the default MXCSR). W comes quantised to s8 (one scale per column) and packed in quads,
- * wq[((kk/4)*n + j)*4 + kk%4] = wq[kk, j] (runtime.tasks.linear_int8.pack_int8), with w_colsum[j] = sum_kk
- * wq[kk, j]. 16 bytes of quads (4 columns) widen to int16 (vpmovsxbw); vpmaddwd by a broadcast quad of q
- * gives each column two exact int32 pair sums (vpmaddubsw's int16 pairs would saturate on 8-bit weights), and
- * a final vphaddd adds them. Requires k % 32 == 0, n % 8 == 0, m >= 1, AVX2, and -ffp-contract=off (a fused
+ * the default MXCSR). W comes quantised to s8 (one scale per column) and packed in panels of 8 columns, each
+ * panel's k rows contiguous in quads: W[kk, j] = wp[(((j/8)*(k/4) + kk/4)*8 + j%8)*4 + kk%4]
+ * (runtime.tasks.linear_int8_avx2.pack_int8_panels), with w_colsum[j] = sum_kk W[kk, j]. One step of k quads
+ * reads the next 32 bytes of a panel, which widen to int16 (vpmovsxbw) in two vectors of 4 columns; vpmaddwd by
+ * a broadcast quad of q gives each column two exact int32 pair sums (vpmaddubsw's int16 pairs would saturate on 8-bit weights), and a final
+ * vphaddd adds them. Requires k % 32 == 0, n % 8 == 0, m >= 1, AVX2, and -ffp-contract=off (a fused
  * multiply-add would round differently from the reference).
  *
  * Parameters (arrive as #defines):
@@ -75,10 +76,10 @@ static inline __m256 dequantize(__m256i acc, __m256i z, __m256 s, const int32_t 
 }
 
 /* EVOLVE-BLOCK-START */
-/* y[0:R, 0:8V] of R quantised rows (q, row stride k; scales qs, zero points qz); wq, ws, cs, bias and y point at
- * the block's first column. Accumulator [r][v][h] holds columns 8v + 4h .. 8v + 4h + 3, two pair sums each. */
+/* y[0:R, 0:8V] of R quantised rows (q, row stride k; scales qs, zero points qz); wp points at the block's first
+ * panel, ws, cs, bias and y at its first column. Accumulator [r][v][h] holds columns 8v + 4h .. 8v + 4h + 3, two pair sums each. */
 static inline __attribute__((always_inline)) void tile(const int R, const int V, int n, int k, const int16_t *q,
-                                                       const float *qs, const int32_t *qz, const int8_t *wq,
+                                                       const float *qs, const int32_t *qz, const int8_t *wp,
                                                        const float *ws, const int32_t *cs, const float *bias,
                                                        float *y)
 {
@@ -90,7 +91,7 @@ static inline __attribute__((always_inline)) void tile(const int R, const int V,
     UNROLLED(KU) for (int p = 0; p < k / 4; p++) {
         __m256i b[NR][2];
         UNROLLED(4) for (int v = 0; v < V; v++) {
-            const int8_t *w = wq + ((long)p * n + 8 * v) * 4;
+            const int8_t *w = wp + ((long)v * k + 4 * p) * 8;
             b[v][0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w));
             b[v][1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16)));
         }
@@ -113,20 +114,20 @@ static inline __attribute__((always_inline)) void tile(const int R, const int V,
     }
 }
 
-/* Columns [0, 8V) (pointers at the block's first column) of the panel's rows: MR at a time, then the rest
+/* Columns [0, 8V) (pointers at the block's first panel and column) of the panel's rows: MR at a time, then the rest
  * (< MR <= 8) in one pass per set bit. */
 static inline __attribute__((always_inline)) void cols(const int V, int rows, int n, int k, const int16_t *q,
-                                                       const float *qs, const int32_t *qz, const int8_t *wq,
+                                                       const float *qs, const int32_t *qz, const int8_t *wp,
                                                        const float *ws, const int32_t *cs, const float *bias,
                                                        float *y)
 {
     int r = 0;
     for (; r + MR <= rows; r += MR)
-        tile(MR, V, n, k, q + (long)r * k, qs + r, qz + r, wq, ws, cs, bias, y + (long)r * n);
+        tile(MR, V, n, k, q + (long)r * k, qs + r, qz + r, wp, ws, cs, bias, y + (long)r * n);
     const int rest = rows - r;
 #define TAIL(T)                                                                                 \
     if (rest & T) {                                                                             \
-        tile(T, V, n, k, q + (long)r * k, qs + r, qz + r, wq, ws, cs, bias, y + (long)r * n); \
+        tile(T, V, n, k, q + (long)r * k, qs + r, qz + r, wp, ws, cs, bias, y + (long)r * n); \
         r += T;                                                                                 \
     }
 #if MR > 4
@@ -140,9 +141,9 @@ static inline __attribute__((always_inline)) void cols(const int V, int rows, in
 }
 
 /* Panels of PANEL rows: each row quantised once into the buffer q (PANEL x k int16, then the scales and zero
- * points), then each block of columns runs down the panel, so its W columns stay in cache across row blocks.
+ * points), then each block of columns runs down the panel, so its W panels stay in cache across row blocks.
  * Blocks are NR vectors wide, then single vectors for the columns left. */
-static void gemm(int m, int n, int k, const float *x, const int8_t *wq, const float *ws, const int32_t *cs,
+static void gemm(int m, int n, int k, const float *x, const int8_t *wp, const float *ws, const int32_t *cs,
                  const float *bias, float *y, int16_t *q, int panel)
 {
     float *qs = (float *)(q + (long)panel * k);
@@ -160,7 +161,7 @@ static void gemm(int m, int n, int k, const float *x, const int8_t *wq, const fl
             for (int b = 0; b < blocks; b++) {
                 const int wide = b < wide_blocks;
                 const int j = wide ? b * wide_cols : wide_blocks * wide_cols + (b - wide_blocks) * 8;
-                const int8_t *wj = wq + 4L * j;
+                const int8_t *wj = wp + (long)j * k;
                 if (wide) cols(NR, rows, n, k, q, qs, qz, wj, ws + j, cs + j, bias + j, yp + j);
                 else cols(1, rows, n, k, q, qs, qz, wj, ws + j, cs + j, bias + j, yp + j);
             }
@@ -169,7 +170,7 @@ static void gemm(int m, int n, int k, const float *x, const int8_t *wq, const fl
 }
 /* EVOLVE-BLOCK-END */
 
-void kernel(int m, int n, int k, const float *x, const int8_t *wq, const float *w_scale, const int32_t *w_colsum, const float *bias, float *y)
+void kernel(int m, int n, int k, const float *x, const int8_t *wp, const float *w_scale, const int32_t *w_colsum, const float *bias, float *y)
 {
     int panel = (PANEL + MR - 1) / MR * MR;
     int16_t *q = aligned_alloc(64, (2 * (size_t)panel * k + 8 * (size_t)panel + 63) / 64 * 64);
@@ -177,9 +178,9 @@ void kernel(int m, int n, int k, const float *x, const int8_t *wq, const float *
         panel = MR;
         q = __builtin_alloca(2 * (size_t)panel * k + 8 * (size_t)panel + 64);
         q = (int16_t *)(((uintptr_t)q + 63) & ~(uintptr_t)63);
-        gemm(m, n, k, x, wq, w_scale, w_colsum, bias, y, q, panel);
+        gemm(m, n, k, x, wp, w_scale, w_colsum, bias, y, q, panel);
         return;
     }
-    gemm(m, n, k, x, wq, w_scale, w_colsum, bias, y, q, panel);
+    gemm(m, n, k, x, wp, w_scale, w_colsum, bias, y, q, panel);
     free(q);
 }
