@@ -275,11 +275,15 @@ class KernelOffers(FollowsRuns):
         return ParamSpace({**space.params, **extra}, [c.text for c in space.constraints])
 
     def kernel_source(self, slot: str, cid: str) -> KernelSource:
-        """The kernel offered ``slot`` under id (or prefix) ``cid``; raises :class:`RunNotFound`."""
+        """The kernel offered ``slot`` under id (or prefix) ``cid``, or ``<prefix>@<task>``: that task's kernel of the
+        id, however the offers name it now (a genome of an earlier round named it apart from another task's kernel
+        of the same id, which the offers may no longer hold); raises :class:`RunNotFound`."""
         self.kernel_choices()
         _, sources = self._offer_state()
+        prefix, _, task = cid.partition("@")
         found = sources.get((slot, cid)) or next(
-            (k for (sl, _), k in sources.items() if sl == slot and k.id.startswith(cid)), None)
+            (k for (sl, _), k in sources.items() if sl == slot and k.id.startswith(prefix) and task in ("", k.task)),
+            None)  # fmt: skip
         if found is None:
             raise RunNotFound(f"no kernel run of the {slot} slot offers a kernel {cid!r}")
         return found

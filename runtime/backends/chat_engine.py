@@ -319,11 +319,12 @@ class ChatEngineProgram(Program, Profiles, Duels):
         a = self.task.args
         t0 = time.perf_counter()
         checked = self.check(1)
-        rival = open_rival()
-        assert isinstance(rival, ChatEngineProgram)
         failed: RivalFailure | None = None  # the challenger's figures are measured still: the verdict needs them
         rival_checked: dict[str, Any] = {}
-        try:
+        rival: ChatEngineProgram | None = None
+        try:  # a rival that cannot be built (a kernel no run offers now) loses; the challenger is measured alone
+            rival = open_rival()
+            assert isinstance(rival, ChatEngineProgram)
             with RivalFailure.blame():
                 rival_checked = rival.check(1)
         except RivalFailure as exc:
@@ -333,15 +334,16 @@ class ChatEngineProgram(Program, Profiles, Duels):
         theirs: list[Measured] = []
         t1 = time.perf_counter()
 
-        def all_but(one: ChatEngineProgram, other: ChatEngineProgram) -> Callable[[], list[int]]:
+        def all_but(one: ChatEngineProgram, other: ChatEngineProgram | None) -> Callable[[], list[int]]:
             # every host but ``one`` stopped, the other side's above all (it may not share ``one``'s backend)
-            return lambda: sorted({*one.backend.others(one.host), *process_tree(other.host.pid)})
+            return lambda: sorted({*one.backend.others(one.host),
+                                   *(process_tree(other.host.pid) if other is not None else ())})
 
         with self.ctx.lock.held() as waited, pinned(self.settings.timing.core, self.task.cores) as cores:  # type: ignore[union-attr]
             for _ in range(a.duel_rounds):
                 salt = secrets.randbits(63)
                 mine.append(measure(self.host, self.task, cores, salt, all_but(self, rival)))
-                if failed is None:
+                if failed is None and rival is not None:
                     try:
                         with RivalFailure.blame():
                             theirs.append(measure(rival.host, self.task, cores, salt, all_but(rival, self)))
@@ -350,7 +352,7 @@ class ChatEngineProgram(Program, Profiles, Duels):
         spent = time.perf_counter() - t1 - waited
         t2 = time.perf_counter()
         verified = [self._verify(m) for m in mine]
-        if failed is None:
+        if failed is None and rival is not None:
             try:
                 with RivalFailure.blame():
                     for m in theirs:

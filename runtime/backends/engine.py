@@ -49,6 +49,7 @@ from runtime.engine.engine import EngineConfig
 from runtime.engine.load import LoadResult, closed_loop
 from runtime.engine.profile import assemble, check_forward
 from runtime.engine.task import EngineTask, cosines
+from runtime.followed_runs import RunNotFound
 from runtime.result import Status
 from runtime.sandbox.host import HostDied
 from runtime.sandbox.hosted_engine import (
@@ -228,11 +229,11 @@ class EngineProgram(Program, Duels, Profiles):
         is ``None`` when the median p99 is over the budget. A rival under the floor, or dying, is
         :class:`RivalFailure`: both are held to the reference, never one to the other."""
         similarity, check_s = self._similarity()
-        rival = open_rival()
-        assert isinstance(rival, EngineProgram)
         failed: RivalFailure | None = None  # the challenger's figures are measured still: the verdict needs them
         rival_similarity: dict[str, Any] = {}
-        try:
+        try:  # a rival that cannot be built (a kernel no run offers now) loses; the challenger is measured alone
+            rival = open_rival()
+            assert isinstance(rival, EngineProgram)
             with RivalFailure.blame():
                 rival_similarity, rival_check_s = rival._similarity()
                 check_s += rival_check_s
@@ -395,6 +396,8 @@ class EngineBackend(Backend[EngineTask]):
                                          work_dir=ctx.work_dir)  # fmt: skip
         except CompileError as exc:
             raise Failure(Status.COMPILE_ERROR, exc.stderr) from None
+        except RunNotFound as exc:  # a kernel no run offers the task (a duel's rival of an older round, say)
+            raise Failure(Status.INVALID, str(exc)) from None
         return Build(genome, config, sum(b.seconds for b in built.values()),
                      {"kernel_sha256": {slot: b.sha256 for slot, b in built.items()}} if built else {})
 

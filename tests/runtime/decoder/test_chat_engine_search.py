@@ -277,6 +277,35 @@ def test_an_engine_slower_between_tokens_than_the_factor_allows_gets_no_fitness(
     assert itl_p99_limit_ms(args.model_copy(update={"itl_p99_factor": None}), 100.0) == 500.0
 
 
+def test_a_duel_rival_that_cannot_be_built_loses_and_the_challenger_is_measured(tiny_chat: Path,
+                                                                               tmp_path: Path) -> None:  # fmt: skip
+    """An incumbent naming a kernel no run offers any more cannot be built: the verdict is against it, and the
+    challenger's figures, measured alone, are what the factory promotes on."""
+    from runtime.backends import RivalFailure
+    from runtime.decoder.engine import ChatEngine
+    from runtime.result import Status
+    from runtime.settings import EvalSettings
+    from runtime.timing import TimingLock
+
+    backend, task, ctx, Program = _backend_and_task(tiny_chat, tmp_path)
+    ctx.lock = TimingLock(str(tmp_path / "timing.lock"))
+    engine = ChatEngine(slots="numpy", threads=1)
+    program = Program(task, _serve(backend, task, ctx, engine), engine, EvalSettings(), ctx, backend)
+
+    def open_rival():
+        raise RivalFailure(Status.INVALID, "no kernel run of the linear slot offers a kernel 'feedfacefeedface'")
+
+    try:
+        with pytest.raises(RivalFailure, match="feedfacefeedface") as lost:
+            program.duel(open_rival)
+    finally:
+        program.close()
+        for template in backend._templates.values():
+            template.close()
+    m = lost.value.metrics
+    assert m["tokens_per_s"] > 0 and m["itl_p99_ms"] > 0 and m["duel_rounds"] == task.args.duel_rounds
+
+
 def test_while_one_host_is_measured_every_other_is_stopped(tiny_chat: Path, tmp_path: Path) -> None:
     """No host can slow the one measured beside it (a candidate's, the default engine's it is held to, a duel's
     rival): every other host is stopped (SIGSTOP) under the load, and runs again after it."""

@@ -215,6 +215,41 @@ def test_two_tasks_kernels_of_one_genome_are_both_offered_each_as_itself(tmp_pat
     assert task.offer_seeds(None, [offer])[-1].params["kernel_linear"] == f"{short}@linear_int8_avx2"
 
 
+def test_a_kernel_named_by_its_task_is_found_when_the_offers_name_it_plainly(tmp_path):
+    """An engine of an earlier round names an int8 kernel ``<id>@linear_int8_avx2`` (linear_f32 offered the id
+    then). Offered alone now, it is named plainly, and the old name still builds it, never the other task's."""
+    from archive import Run, Store
+    from runtime.followed_runs import RunNotFound
+    from runtime.result import EvalResult
+
+    params = {"KU": 2, "MR": 4, "NR": 1, "PANEL": 64}
+    (tmp_path / "int8").mkdir()
+    store = Store(tmp_path / "int8")
+    store.set_meta("config", yaml.safe_dump({"task": {"name": "linear_int8_avx2", "args": {}}}))
+    store.add_pending(genome=Genome(params=params), operator="seed")
+    store.record_result(Genome(params=params).id, EvalResult(status=Status.OK, fitness=1.0, unit="GOP/s"))
+    store.close()
+    task = EngineTask(EngineTask.read_runs(EngineTask.resolve_args({**TINY, "kernels": {"linear": {"run_dir": "int8"}}},
+                                                                   str(tmp_path)), Run.open))  # fmt: skip
+    short = Genome(params=params).id[:16]
+    assert task.kernel_choices() == {"linear": [short]}
+    assert task.kernel_source("linear", f"{short}@linear_int8_avx2").task == "linear_int8_avx2"
+    with pytest.raises(RunNotFound, match="linear_f32"):
+        task.kernel_source("linear", f"{short}@linear_f32")
+
+
+def test_a_duel_rival_naming_a_kernel_no_run_offers_loses_the_duel(task, tmp_path):
+    """The rival is the one that cannot be built: the verdict is against it, the challenger keeps its figures."""
+    import dataclasses
+
+    req, t = _request(task, {"max_batch": 8}, tmp_path)
+    rival = Genome(params={**t.seeds()[0].params, "kernel_linear": "feedfacefeedface"})
+    res = evaluate(dataclasses.replace(req, stages="duel", rival=rival), t, _ctx(tmp_path))
+    assert res.status == Status.OK, res.error
+    assert res.metrics["rival_status"] == "invalid" and "feedfacefeedface" in res.metrics["rival_failed"]
+    assert res.metrics["throughput"] > 0
+
+
 def test_relative_kernel_run_dirs_are_made_absolute():  # nothing to read them with: paths only
     args = EngineTask.resolve_args({"kernels": {"gelu": {"run_dir": "runs/g"}, "softmax": {"run_dir": "/abs/s"}},
                                       "model_dir": "m"}, "/work/here")
