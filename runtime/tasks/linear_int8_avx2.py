@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from genome import Genome
 from runtime.slots import Slot
 from runtime.task import Case
 from runtime.tasks._linear import Avx2LinearTask
@@ -77,7 +78,13 @@ class LinearInt8Avx2(Avx2LinearTask, LinearInt8):
     panel = ("PANEL", 8, 512)
     tile_seed = {"MR": 4, "NR": 1, "KU": 2, "PANEL": 64}  # 4 rows x 8 columns
     packed = ("wp", "w_scale", "w_colsum")
-    sources = ("linear_int8_avx2_template.c", "linear_int8_avx2_naive.c")
+    sources = ("linear_int8_avx2_template.c", "linear_int8_naive.c")
+
+    def seeds(self) -> list[Genome]:
+        """``linear_int8``'s scalar loops reading W where the panels put it, and a plain register tile."""
+        naive, tile = super().seeds()
+        panels = "#define W_AT(kk, j) wq[((((long)(j) / 8) * (k / 4) + (kk) / 4) * 8 + (j) % 8) * 4 + (kk) % 4]\n"
+        return [Genome(params={}, source=panels + (naive.source or "")), tile]
 
     def slot_pack(self, w: np.ndarray) -> tuple[np.ndarray, ...]:
         return pack_int8_panels(w)

@@ -6,6 +6,10 @@
 #include <math.h>
 #include <stdint.h>
 
+#ifndef W_AT /* W[kk, j] where the packing puts it (linear_int8_avx2's seed defines its panels' place) */
+#define W_AT(kk, j) wq[((long)((kk) / 4) * n + (j)) * 4 + (kk) % 4]
+#endif
+
 void kernel(int m, int n, int k, const float *x, const int8_t *wq, const float *w_scale, const int32_t *w_colsum, const float *bias, float *y)
 {
     /* EVOLVE-BLOCK-START */
@@ -27,7 +31,7 @@ void kernel(int m, int n, int k, const float *x, const int8_t *wq, const float *
         }
         for (int j = 0; j < n; j++) {
             int32_t acc = 0;
-            for (int kk = 0; kk < k; kk++) acc += (int32_t)q[kk] * wq[((long)(kk / 4) * n + j) * 4 + kk % 4];
+            for (int kk = 0; kk < k; kk++) acc += (int32_t)q[kk] * W_AT(kk, j);
             y[(long)i * n + j] = (float)(acc - z * w_colsum[j]) * (s * w_scale[j]) + bias[j];
         }
     }
