@@ -6,9 +6,8 @@ answer bit for bit what a VNNI elite answers. The instructions and W's layout di
 and its ``vpmaddubsw`` adds u8 x s8 pairs into a *saturating* int16 (2 x 255 x 127 does not fit), so the template
 widens both to int16 and multiplies with ``vpmaddwd``, exact in int32. W comes in panels of 8 columns whose k
 rows are contiguous (:func:`pack_int8_panels`): ``linear_int8``'s quads put a column block's successive k steps
-``4 n`` bytes apart (measured: the same tile ran 1.07-1.10x faster on panels, one core, MiniLM's shapes). The
-weights stay 8-bit: widened ahead of time they ran 1.05x faster again, but a decoder's one-token GEMV reads every
-weight from memory per token, twice the bytes in int16.
+``4 n`` bytes apart (BENCHMARKS.md, "The int8 AVX2 tile on panels": ``bench/engine_linear_slot.py``). The weights
+stay 8-bit: a decoder's one-token GEMV reads every weight from memory once per token, and int16 would double that.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@
  * panel's k rows contiguous in quads: W[kk, j] = wp[(((j/8)*(k/4) + kk/4)*8 + j%8)*4 + kk%4]
  * (runtime.tasks.linear_int8_avx2.pack_int8_panels), with w_colsum[j] = sum_kk W[kk, j]. One step of k quads
  * reads the next 32 bytes of a panel, which widen to int16 (vpmovsxbw) in two vectors of 4 columns; vpmaddwd by
- * a broadcast quad of q gives each column two exact int32 pair sums (vpmaddubsw's int16 pairs would saturate on 8-bit weights), and a final
- * vphaddd adds them. Requires k % 32 == 0, n % 8 == 0, m >= 1, AVX2, and -ffp-contract=off (a fused
- * multiply-add would round differently from the reference).
+ * a broadcast quad of q gives each column two exact int32 pair sums (vpmaddubsw's int16 pairs would saturate on
+ * 8-bit weights), and a final vphaddd adds them. Requires k % 32 == 0, n % 8 == 0, m >= 1, AVX2, and
+ * -ffp-contract=off (a fused multiply-add would round differently from the reference).
  *
  * Parameters (arrive as #defines):
  *   MR, NR    register tile: MR rows by NR blocks of 8 columns (2 * MR * NR int32 accumulators).
@@ -77,7 +77,8 @@ static inline __m256 dequantize(__m256i acc, __m256i z, __m256 s, const int32_t 
 
 /* EVOLVE-BLOCK-START */
 /* y[0:R, 0:8V] of R quantised rows (q, row stride k; scales qs, zero points qz); wp points at the block's first
- * panel, ws, cs, bias and y at its first column. Accumulator [r][v][h] holds columns 8v + 4h .. 8v + 4h + 3, two pair sums each. */
+ * panel, ws, cs, bias and y at its first column. Accumulator [r][v][h] holds columns 8v + 4h .. 8v + 4h + 3, two
+ * pair sums each. */
 static inline __attribute__((always_inline)) void tile(const int R, const int V, int n, int k, const int16_t *q,
                                                        const float *qs, const int32_t *qz, const int8_t *wp,
                                                        const float *ws, const int32_t *cs, const float *bias,
@@ -114,8 +115,8 @@ static inline __attribute__((always_inline)) void tile(const int R, const int V,
     }
 }
 
-/* Columns [0, 8V) (pointers at the block's first panel and column) of the panel's rows: MR at a time, then the rest
- * (< MR <= 8) in one pass per set bit. */
+/* Columns [0, 8V) (pointers at the block's first panel and column) of the panel's rows: MR at a time, then the
+ * rest (< MR <= 8) in one pass per set bit. */
 static inline __attribute__((always_inline)) void cols(const int V, int rows, int n, int k, const int16_t *q,
                                                        const float *qs, const int32_t *qz, const int8_t *wp,
                                                        const float *ws, const int32_t *cs, const float *bias,
